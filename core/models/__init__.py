@@ -1,0 +1,29 @@
+"""Model families and the loader that builds one from a ModelConfig."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from core.config import ModelConfig
+from core.models import gpt2, llama
+from core.models.loading import fill_dummy, iter_safetensors
+from kernels.attention import AttentionBackend
+
+_BUILDERS = {"llama": llama.build, "gpt2": gpt2.build}
+
+
+def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str) -> nn.Module:
+    """Build the model on `device` in cfg.dtype and fill its weights (checkpoint or seeded dummy)."""
+    with torch.device(device):
+        model: nn.Module = _BUILDERS[cfg.arch](cfg, backend)
+    model.to(dtype=cfg.torch_dtype)
+    model.eval().requires_grad_(False)
+    if cfg.load_format == "dummy":
+        fill_dummy(model, cfg.seed)
+        return model
+    loaded = model.load_weights(iter_safetensors(cfg.path))  # type: ignore[operator]
+    missing = {n for n, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"checkpoint {cfg.path} lacks parameters: {sorted(missing)[:5]}")
+    return model

@@ -1,0 +1,177 @@
+"""The in-process engine: add requests, step, collect outputs, abort. Workers and tests drive it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from core.block_pool import BlockPool
+from core.config import EngineConfig
+from core.errors import InvalidRequestError
+from core.kv_cache_manager import KVCacheManager
+from core.model_runner import ModelRunner
+from core.request import Request, RequestStatus
+from core.sampler import Sampler, SamplingState
+from core.sampling_params import SamplingParams
+from core.scheduler import Scheduler, StepPlan
+from kernels.attention import AttentionBackend
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class EngineStats:
+    """Counters the tests and metrics read."""
+
+    num_prefill_tokens_computed: int = 0
+    """Prompt tokens that went through the model (cache hits excluded)."""
+    num_cached_prompt_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+    num_full_hits: int = 0
+    """Requests whose first token came from cached last_logits, with no forward pass."""
+    num_preemptions: int = 0
+    """Requests sent back to waiting for lack of KV blocks."""
+
+
+class Engine:
+    """Continuous-batching engine over one model and one paged KV cache."""
+
+    def __init__(self, config: EngineConfig, backend: AttentionBackend | None = None) -> None:
+        self.config = config
+        self.runner = ModelRunner(config, backend)
+        self.pool = BlockPool(self.runner.num_blocks)
+        cache = config.cache
+        self.kv = KVCacheManager(self.pool, cache.block_size, cache.enable_prefix_caching, cache.max_cached_logits)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.sampler = Sampler(self.runner.device)
+        self.stats = EngineStats()
+        self.requests: dict[str, Request] = {}
+
+    @property
+    def num_forward_calls(self) -> int:
+        return self.runner.num_forward_calls
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Queue a request; raises InvalidRequestError for a request that can never run."""
+        self._validate(request_id, prompt_token_ids, params)
+        state = SamplingState(params=params, eos_token_ids=self.config.model.eos_token_ids)
+        req = Request(request_id, list(prompt_token_ids), len(prompt_token_ids), state)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _validate(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+        m = self.config.model
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        if len(prompt) >= m.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(prompt)} tokens; the model's context is {m.max_model_len} "
+                "and at least one must be left to generate"
+            )
+        bad = next((t for t in prompt if not 0 <= t < m.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} outside the vocabulary [0, {m.vocab_size})")
+        needed = self.kv.blocks_needed(len(prompt) + 1)
+        if needed > self.pool.num_blocks - 1:
+            raise InvalidRequestError(f"the prompt needs {needed} KV blocks; the pool has {self.pool.num_blocks - 1}")
+        params.validate(m.vocab_size)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; None if it is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self._output(req, [])
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling round and at most one forward pass."""
+        plan = self.scheduler.schedule()
+        self.stats.num_preemptions += len(plan.preempted)
+        sampled, rows = self._run(plan)
+        if not sampled:
+            return []
+        tokens = self.sampler.sample(rows, [r.sampling for r, _ in sampled]).tolist()
+        return [
+            self._accept(req, token, rows[i] if computed else None)
+            for i, ((req, computed), token) in enumerate(zip(sampled, tokens, strict=True))
+        ]
+
+    def _run(self, plan: StepPlan) -> tuple[list[tuple[Request, bool]], torch.Tensor]:
+        """Forward pass + cached hits -> (request, computed by this pass) pairs that sample now, and their
+        logits rows in the same order."""
+        sampled: list[tuple[Request, bool]] = []
+        parts: list[torch.Tensor] = []
+        if plan.chunks:
+            parts.append(self.runner.execute(plan))
+            for chunk in plan.chunks:
+                req, samples = chunk.req, chunk.samples
+                self.stats.num_prefill_tokens_computed += max(
+                    0, min(chunk.num_tokens, req.num_prompt_tokens - req.num_computed_tokens)
+                )
+                req.num_computed_tokens += chunk.num_tokens
+                if samples:
+                    sampled.append((req, True))
+                else:
+                    self.kv.commit(req, None)
+        for req, row in plan.cached_hits:
+            self.stats.num_full_hits += 1
+            sampled.append((req, False))
+            parts.append(row[None])
+        return sampled, torch.cat(parts) if parts else torch.empty(0)
+
+    def _accept(self, req: Request, token: int, row: torch.Tensor | None) -> RequestOutput:
+        """Cache what the pass computed, append the sampled token, finish the request if it stopped."""
+        self.kv.commit(req, row)
+        if req.num_output_tokens == 0:
+            self.stats.num_cached_prompt_tokens += req.num_cached_tokens
+        req.token_ids.append(token)
+        reason = req.sampling.check_stop(token)
+        if reason is None and req.num_tokens >= self.config.model.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            del self.requests[req.request_id]
+        return self._output(req, [token])
+
+    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        done = req.status is RequestStatus.FINISHED
+        return RequestOutput(
+            req.request_id,
+            new_tokens,
+            done,
+            req.finish_reason if done else None,
+            req.num_prompt_tokens,
+            req.num_output_tokens,
+            req.num_cached_tokens,
+        )
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
+        """Run prompts to completion; the generated token ids of each, in order."""
+        ids = [f"gen-{len(self.requests)}-{i}-{id(prompts)}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            self.add_request(rid, prompt, params)
+        results: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.request_id in results:
+                    results[out.request_id].extend(out.new_token_ids)
+        return [results[rid] for rid in ids]

@@ -1,0 +1,153 @@
+"""Per-request KV block bookkeeping on top of the block pool: prefix matching, allocation, caching.
+
+The scheduler calls this; it never touches tensors except the small last_logits clones it keeps.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple
+
+import torch
+
+from core.block_pool import BlockPool, hash_block_tokens
+from core.request import Request
+
+
+class BlockCopy(NamedTuple):
+    """Copy the K/V of block src into block dst before the next forward (copy-on-write)."""
+
+    src: int
+    dst: int
+
+
+class LogitsCache:
+    """LRU map from a whole prompt's final block hash to its last_logits row, kept on the device."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: int) -> torch.Tensor | None:
+        row = self._entries.get(key)
+        if row is not None:
+            self._entries.move_to_end(key)
+        return row
+
+    def put(self, key: int, row: torch.Tensor) -> None:
+        # NOTE: a clone, so the cache never pins the batch's logits tensor.
+        self._entries[key] = row.detach().clone()
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+
+class KVCacheManager:
+    """Allocates, shares and frees the KV blocks of requests."""
+
+    def __init__(self, pool: BlockPool, block_size: int, enable_caching: bool, max_cached_logits: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.logits = LogitsCache(max_cached_logits if enable_caching else 0)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def admit(self, req: Request) -> torch.Tensor | None | bool:
+        """Match req's tokens against the cache and allocate blocks for all of them.
+
+        Returns False when the pool lacks room (nothing changed); otherwise sets req.num_computed_tokens
+        and returns the cached last_logits on a whole-prompt hit (no forward needed) or None.
+        """
+        matched, logits = self._match(req) if self.enable_caching else ([], None)
+        num_new = self.blocks_needed(req.num_tokens) - len(matched)
+        num_reusable = sum(1 for b in matched if self.pool.ref_cnt(b) == 0)
+        if num_new > self.pool.num_free_blocks - num_reusable:
+            return False
+        self.pool.touch(matched)
+        req.block_ids.extend(matched)
+        req.block_ids.extend(self.pool.allocate(num_new))
+        full_hit = logits is not None
+        req.num_computed_tokens = req.num_tokens if full_hit else len(matched) * self.block_size
+        req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+        req.num_registered_blocks = min(len(matched), req.num_tokens // self.block_size)
+        req.tail_shared = full_hit and req.num_tokens % self.block_size != 0
+        return logits
+
+    def _match(self, req: Request) -> tuple[list[int], torch.Tensor | None]:
+        """Longest cached run of req's blocks, and last_logits when every token (tail too) is cached."""
+        hashes = self._extend_hashes(req)
+        matched = self.pool.match_prefix(hashes)
+        logits = None
+        if len(matched) == len(hashes):
+            final_hash, tail_block = self._final_hash(req), None
+            logits = self.logits.get(final_hash)
+            if logits is not None and req.num_tokens % self.block_size:
+                tail_block = self.pool.lookup(final_hash)
+                logits = logits if tail_block is not None else None
+            if tail_block is not None:
+                matched = [*matched, tail_block]
+        if logits is None and len(matched) * self.block_size >= req.num_tokens:
+            matched = matched[:-1]  # NOTE: at least one token must run through the model to get logits
+        return matched, logits
+
+    def ensure_slots(self, req: Request, num_new_tokens: int, copies: list[BlockCopy]) -> bool:
+        """Make blocks ready for req's next num_new_tokens positions; False if the pool is out of blocks."""
+        needed = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        needed += 1 if req.tail_shared else 0
+        if needed > self.pool.num_free_blocks:
+            return False
+        if req.tail_shared:
+            dst = self.pool.allocate(1)[0]
+            copies.append(BlockCopy(req.block_ids[-1], dst))
+            self.pool.free([req.block_ids[-1]])
+            req.block_ids[-1] = dst
+            req.tail_shared = False
+            needed -= 1
+        if needed > 0:
+            req.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    def commit(self, req: Request, last_logits: torch.Tensor | None) -> None:
+        """After a forward pass: offer newly full blocks to the prefix cache; when the prompt has just been
+        computed, cache its last_logits row and its partial tail block too."""
+        if not self.enable_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        hashes = self._extend_hashes(req)
+        for i in range(req.num_registered_blocks, num_full):
+            self.pool.cache_block(req.block_ids[i], hashes[i])
+        req.num_registered_blocks = max(req.num_registered_blocks, num_full)
+        just_prefilled = req.num_computed_tokens == req.num_tokens == req.num_prompt_tokens
+        if last_logits is None or not just_prefilled:
+            return
+        final_hash = self._final_hash(req)
+        if req.num_tokens % self.block_size:
+            req.tail_shared = self.pool.cache_block(req.block_ids[-1], final_hash)
+        self.logits.put(final_hash, last_logits)
+
+    def free(self, req: Request) -> None:
+        """Release req's blocks, tail first, so a shared prefix outlives its private suffix in the LRU."""
+        self.pool.free(req.block_ids[::-1])
+        req.block_ids.clear()
+        req.num_computed_tokens = 0
+        req.num_registered_blocks = 0
+        req.tail_shared = False
+
+    def _extend_hashes(self, req: Request) -> list[int]:
+        bs, hashes = self.block_size, req.block_hashes
+        for i in range(len(hashes), req.num_tokens // bs):
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, req.token_ids[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def _final_hash(self, req: Request) -> int:
+        """Hash of all of req's tokens: the last full block's hash, or the partial tail chained on it."""
+        hashes, num_full = req.block_hashes, req.num_tokens // self.block_size
+        if req.num_tokens % self.block_size == 0:
+            return hashes[num_full - 1]
+        parent = hashes[num_full - 1] if num_full else None
+        return hash_block_tokens(parent, req.token_ids[num_full * self.block_size :])

@@ -1,0 +1,104 @@
+"""GPT-2: learned positions, pre-LayerNorm blocks, fused qkv, GELU MLP, tied embeddings.
+
+Checkpoints store Conv1D weights as [in, out]; they are transposed into nn.Linear on load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from core.config import ModelConfig
+from core.models.loading import copy_weights
+from kernels.attention import AttentionBackend, AttentionMetadata
+
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.c_attn = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.c_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.scale = cfg.head_dim**-0.5
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.c_attn(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # each [tokens, heads, dim]
+        out = self.backend.forward(q, k.contiguous(), v.contiguous(), kv_cache, meta, self.scale)
+        return self.c_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.c_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = ACT2FN[cfg.hf_config.activation_function]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        eps = cfg.hf_config.layer_norm_epsilon
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.attn = GPT2Attention(cfg, backend)
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.mlp = GPT2MLP(cfg)
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, meta)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = nn.Embedding(cfg.max_model_len, cfg.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(cfg, backend) for _ in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.hf_config.layer_norm_epsilon)
+
+
+class GPT2LMHeadModel(nn.Module):
+    """Implements core.models.base.CausalLM."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.transformer = GPT2Model(cfg, backend)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)  # [num_tokens, hidden]
+        for block, kv_cache in zip(self.transformer.h, kv_caches, strict=True):
+            x = block(x, kv_cache, meta)
+        return self.transformer.ln_f(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden @ self.transformer.wte.weight.t()).float()  # tied lm_head
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def rename(name: str, tensor: torch.Tensor) -> tuple[str | None, torch.Tensor]:
+            if name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias")):
+                return None, tensor
+            name = name if name.startswith("transformer.") else f"transformer.{name}"
+            return name, tensor.t() if name.endswith(_CONV1D) else tensor
+
+        return copy_weights(self, (rename(n, t) for n, t in weights))
+
+
+def build(cfg: ModelConfig, backend: AttentionBackend) -> Any:
+    return GPT2LMHeadModel(cfg, backend)

@@ -1,0 +1,55 @@
+"""One generation request as the engine tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from core.sampler import SamplingState
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Token ids, KV blocks and progress of one request. Owned by the scheduler."""
+
+    request_id: str
+    token_ids: list[int]
+    """Prompt followed by the generated tokens (appended in place)."""
+    num_prompt_tokens: int
+    sampling: SamplingState
+    block_ids: list[int] = field(default_factory=list)
+    """Block table: block_ids[i] holds positions [i * block_size, (i + 1) * block_size)."""
+    block_hashes: list[int] = field(default_factory=list)
+    """Chained hashes of the full blocks of token_ids (computed or not), extended as tokens arrive."""
+    num_registered_blocks: int = 0
+    """Leading full blocks already offered to the prefix cache."""
+    num_computed_tokens: int = 0
+    """Tokens whose K/V are in the cache."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache at admission (usage reporting)."""
+    tail_shared: bool = False
+    """NOTE: the last block is registered in the prefix cache and must be copied before it is written."""
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens

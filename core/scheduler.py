@@ -1,0 +1,120 @@
+"""Continuous batching: which requests run in the next forward pass and with how many tokens."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from core.config import SchedulerConfig
+from core.kv_cache_manager import BlockCopy, KVCacheManager
+from core.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """num_tokens of req, starting at req.num_computed_tokens, run in this pass."""
+
+    req: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last token, so its logits give the next token."""
+        return self.req.num_computed_tokens + self.num_tokens == self.req.num_tokens
+
+
+@dataclass
+class StepPlan:
+    """What one engine step does."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    """Token ranges for the forward pass (empty: no forward pass)."""
+    cached_hits: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
+    """Whole-prompt hits: the first token is sampled from these cached last_logits rows."""
+    copies: list[BlockCopy] = field(default_factory=list)
+    """Copy-on-write block copies to run before the forward pass."""
+    preempted: list[Request] = field(default_factory=list)
+    """Requests sent back to waiting (their blocks freed; they recompute later)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running set; the model runner only sees StepPlans."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
+        if not plan.preempted:
+            self._schedule_waiting(plan, budget)
+        return plan
+
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        return min(n, self.config.prefill_chunk_size) if self.config.prefill_chunk_size else n
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk_len(req, budget)
+            while not self.kv.ensure_slots(req, n, plan.copies):
+                victim = self.running.pop()  # NOTE: the newest request yields first
+                self._preempt(victim, plan)
+                if victim is req:
+                    return budget
+            plan.chunks.append(ScheduledChunk(req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if budget <= 0:
+                break
+            hit = self.kv.admit(req)
+            if hit is False:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if isinstance(hit, torch.Tensor):
+                plan.cached_hits.append((req, hit))
+                continue
+            n = self._chunk_len(req, budget)
+            plan.chunks.append(ScheduledChunk(req, n))
+            budget -= n
+
+    def _preempt(self, req: Request, plan: StepPlan) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        plan.chunks = [c for c in plan.chunks if c.req is not req]
+        plan.preempted.append(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Take req out of the queues and free its blocks."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

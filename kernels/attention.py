@@ -1,0 +1,135 @@
+"""The attention-backend interface over a paged KV cache, and its torch reference implementation.
+
+KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim]; index 0 holds K, 1 holds V.
+A token at position p of a sequence lives in slot block_table[p // block_size] * block_size + p % block_size.
+Block 0 is the null block: padding rows of block tables point at it and it is never read unmasked.
+
+One forward pass carries a flat batch of new tokens from several sequences (prefill chunks and decodes mixed):
+sequence i owns queries query_start_loc[i]:query_start_loc[i+1]; they sit at the last query_len positions of
+its seq_lens[i] tokens, and attend causally to everything before them (cached prefix included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """One forward pass's view of the paged cache, shared by every layer."""
+
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64: cache slot each new token's K/V is written to."""
+    query_start_loc: torch.Tensor
+    """[batch + 1] int32: cumulative query lengths."""
+    seq_lens: torch.Tensor
+    """[batch] int32: tokens of each sequence after this pass (cached + new)."""
+    block_tables: torch.Tensor
+    """[batch, max_blocks] int32, padded with the null block 0."""
+    query_lens: list[int]
+    """Host copy of the per-sequence query lengths."""
+    seq_lens_cpu: list[int]
+    """Host copy of seq_lens."""
+    block_size: int
+    """Tokens per block."""
+    plan: Any = field(default=None)
+    """Backend-specific precomputation, filled once per pass by AttentionBackend.prepare."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    """Writes new K/V into the paged cache and attends over cached prefix + new tokens.
+
+    Contract: prepare(meta) runs once per forward pass before any layer; forward(...) runs per layer,
+    writes k/v at meta.slot_mapping first, then returns attention for every query token in input order.
+    """
+
+    def prepare(self, meta: AttentionMetadata) -> None: ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+@dataclass
+class _TorchPlan:
+    key_slots: torch.Tensor  # [batch, max_seq] int64 flat cache slot of every key position (padding: slot 0)
+    query_rows: torch.Tensor  # [num_tokens] int64 row of each query in the padded [batch * max_query] layout
+    mask: torch.Tensor  # [batch, 1, max_query, max_seq] bool, True = may attend
+    max_query_len: int
+
+
+class TorchAttention:
+    """Reference backend: gathers each sequence's keys and runs SDPA with a causal, padded mask.
+
+    Runs anywhere torch runs; the Triton kernels in kernels/ must match it.
+    """
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        device = meta.slot_mapping.device
+        bs, max_q, max_s = meta.block_size, meta.max_query_len, meta.max_seq_len
+        key_pos = torch.arange(max_s, device=device)  # [max_seq]
+        blocks = meta.block_tables.long()[:, key_pos // bs]  # [batch, max_seq]
+        key_slots = blocks * bs + key_pos % bs
+        q_lens = torch.tensor(meta.query_lens, device=device)
+        seq_lens = meta.seq_lens.long()
+        starts = meta.query_start_loc[:-1].long()
+        seq_of_token = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), q_lens)
+        offset = torch.arange(meta.slot_mapping.numel(), device=device) - starts[seq_of_token]
+        query_rows = seq_of_token * max_q + offset
+        q_idx = torch.arange(max_q, device=device)
+        q_pos = (seq_lens - q_lens)[:, None] + q_idx[None, :]  # [batch, max_query]
+        mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [batch, max_query, max_seq]
+        # NOTE: padded query rows must see at least one key or SDPA returns NaN; their output is dropped.
+        mask |= (q_idx[None, :] >= q_lens[:, None])[:, :, None] & (key_pos == 0)[None, None, :]
+        meta.plan = _TorchPlan(key_slots, query_rows, mask[:, None], max_q)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        plan: _TorchPlan = meta.plan
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
+        v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        keys = k_flat[plan.key_slots].transpose(1, 2)  # [batch, kv_heads, max_seq, head_dim]
+        values = v_flat[plan.key_slots].transpose(1, 2)
+        num_heads = q.shape[1]
+        q_pad = q.new_zeros(meta.num_seqs * plan.max_query_len, num_heads, head_dim)
+        q_pad[plan.query_rows] = q
+        q_pad = q_pad.view(meta.num_seqs, plan.max_query_len, num_heads, head_dim).transpose(1, 2)
+        if num_heads != num_kv_heads:
+            keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
+            values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=plan.mask, scale=scale)
+        out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [batch * max_query, heads, head_dim]
+        return out[plan.query_rows]
