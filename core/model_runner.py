@@ -64,9 +64,7 @@ class ModelRunner:
         self.num_forward_tokens += input_ids.numel()
         return self.model.compute_logits(hidden[logits_idx])  # type: ignore[operator]
 
-    def _prepare(
-        self, plan: StepPlan
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         bs = self.cfg.cache.block_size
         ids: list[int] = []
         pos: list[int] = []

@@ -46,9 +46,7 @@ class SamplingParams:
         if self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be > 0, got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidRequestError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-            )
+            raise InvalidRequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
         for tid in self.stop_token_ids:

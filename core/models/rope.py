@@ -35,6 +35,9 @@ def inv_freq_and_scale(hf: Any, head_dim: int) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(nn.Module):
     """Non-interleaved (rotate-half) rope over the whole head, with a cos/sin table per position."""
 
+    cos: torch.Tensor  # [max_positions, head_dim] float32
+    sin: torch.Tensor
+
     def __init__(self, hf: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
         inv_freq, scale = inv_freq_and_scale(hf, head_dim)
@@ -44,9 +47,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens]; q [num_tokens, heads, head_dim]; k [num_tokens, kv_heads, head_dim]."""
         cos = self.cos[positions].to(q.dtype)[:, None, :]  # [num_tokens, 1, head_dim]
         sin = self.sin[positions].to(q.dtype)[:, None, :]

@@ -1,0 +1,266 @@
+"""Refcounted KV block pool with prefix caching: it hands out block ids and never touches tensors.
+
+Block lifecycle: allocate (ref_cnt 1) -> cache_block (registered under its chained hash) -> touch by
+other requests that hit the cache -> free (ref_cnt 0: appended to the LRU free queue, still findable
+by hash) -> allocate pops it from the queue head and drops its hash (lazy eviction).
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+NULL_BLOCK_ID = 0
+"""Padding block: never allocated, never freed, never cached."""
+
+BLOCK_HASH_SEED = 0x7064_7365_7276_65  # b"pdserve"
+"""xxh3_64 seed of every block hash; changing it invalidates every stored hash."""
+
+ROOT_PARENT_HASH = 0x9E37_79B9_7F4A_7C15
+"""Stands in for the parent hash of a sequence's first block."""
+
+MAX_PENDING_EVENTS = 100_000
+"""Events kept between drains; older ones are dropped so an unread pool stays bounded."""
+
+_SWAP_BYTES = sys.byteorder != "little"
+
+
+class NoFreeBlocksError(RuntimeError):
+    """allocate asked for more blocks than are free; the pool is unchanged."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """A block was registered under block_hash (prefix cache gained an entry)."""
+
+    block_hash: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """block_hash left the prefix cache (its block was reused or the cache was reset)."""
+
+    block_hash: int
+
+
+BlockEvent = BlockStored | BlockRemoved
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64 bytes."""
+    packed = array("q", token_ids)
+    if _SWAP_BYTES:
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _hash_bytes(parent_hash: int | None, payload: bytes | memoryview) -> int:
+    parent = ROOT_PARENT_HASH if parent_hash is None else parent_hash
+    return xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + payload, seed=BLOCK_HASH_SEED)
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chained hash of one block: xxh3_64(seed=BLOCK_HASH_SEED) over the parent hash as 8 bytes
+    little-endian (ROOT_PARENT_HASH when None) followed by the tokens as little-endian int64.
+
+    Deterministic across processes and runs; an unsigned 64-bit int. A partial tail block hashes
+    differently from any full block because its bytes are shorter.
+    """
+    return _hash_bytes(parent_hash, _token_bytes(token_ids))
+
+
+def hash_full_blocks(token_ids: Sequence[int], block_size: int, parent_hash: int | None = None) -> list[int]:
+    """Hashes of the len(token_ids) // block_size full blocks, each chained on the previous one."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    num_full = len(token_ids) // block_size
+    payload = memoryview(_token_bytes(token_ids[: num_full * block_size]))
+    stride = 8 * block_size
+    hashes: list[int] = []
+    for i in range(num_full):
+        parent_hash = _hash_bytes(parent_hash, payload[i * stride : (i + 1) * stride])
+        hashes.append(parent_hash)
+    return hashes
+
+
+class BlockPool:
+    """Ref counts, an LRU free queue and a hash -> block map over block ids 1..num_blocks-1.
+
+    NOTE: a block is in the free queue iff its ref_cnt is 0 (the null block is in neither).
+    NOTE: a block with a hash is never written again by callers; it may only be read or freed.
+    """
+
+    def __init__(self, num_blocks: int, max_pending_events: int = MAX_PENDING_EVENTS) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.num_evictions = 0
+        self._ref_cnts = [0] * num_blocks
+        self._block_of_hash: dict[int, int] = {}
+        self._hash_of_block: dict[int, int] = {}
+        self._events: deque[BlockEvent] = deque(maxlen=max_pending_events)
+        self._init_free_queue()
+
+    def _init_free_queue(self) -> None:
+        # Doubly linked list over ids; index num_blocks is the sentinel (head/tail), 0 stays unlinked.
+        n = self.num_blocks
+        self._sentinel = n
+        self._next = [-1] + list(range(2, n + 1)) + [1]
+        self._prev = [-1, n] + list(range(1, n))
+        self._num_free = n - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref_cnt 0, cached or not."""
+        return self._num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks with ref_cnt > 0; num_used_blocks + num_free_blocks == num_blocks - 1."""
+        return self.num_blocks - 1 - self._num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered under a hash, used or free."""
+        return len(self._block_of_hash)
+
+    def allocate(self, n: int) -> list[int]:
+        """Pop n blocks from the head of the free queue with ref_cnt 1, dropping any hash they held.
+
+        Raises NoFreeBlocksError, changing nothing, when n > num_free_blocks.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > self._num_free:
+            raise NoFreeBlocksError(f"asked for {n} blocks, {self._num_free} free")
+        block_ids = [self._pop_head() for _ in range(n)]
+        for block_id in block_ids:
+            self._ref_cnts[block_id] = 1
+            if block_id in self._hash_of_block:
+                self._drop_hash(block_id)
+                self.num_evictions += 1
+        return block_ids
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """ref_cnt += 1 for each block; a free block (a cache hit) leaves the free queue."""
+        for block_id in block_ids:
+            self._check_id(block_id)
+        for block_id in block_ids:
+            if self._ref_cnts[block_id] == 0:
+                self._unlink(block_id)
+            self._ref_cnts[block_id] += 1
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """ref_cnt -= 1 for each block in order; one reaching 0 goes to the tail of the free queue.
+
+        Pass a request's blocks in reverse so its tail is evicted first. Raises ValueError, changing
+        nothing, on the null block, an unknown id or a block already at ref_cnt 0 (double free).
+        """
+        for i, block_id in enumerate(block_ids):
+            if not (0 < block_id < self.num_blocks and self._ref_cnts[block_id] > 0):
+                self.touch(block_ids[:i])  # NOTE: exact undo of the frees done so far
+                raise ValueError(f"cannot free block {block_id}: null, unknown or not allocated")
+            self._ref_cnts[block_id] -= 1
+            if self._ref_cnts[block_id] == 0:
+                self._append_tail(block_id)
+
+    def cache_block(self, block_id: int, block_hash: int) -> bool:
+        """Register a held block under block_hash; True if it is (now) the block cached for it.
+
+        Returns False, keeping the existing entry, when another block already has this hash.
+        Raises ValueError if the block is not held or already holds a different hash.
+        """
+        self._check_id(block_id)
+        current = self._hash_of_block.get(block_id)
+        if current == block_hash:
+            return True
+        if current is not None:
+            raise ValueError(f"block {block_id} already cached under another hash")
+        if self._ref_cnts[block_id] == 0:
+            raise ValueError(f"block {block_id} is free; only a held block can be cached")
+        if block_hash in self._block_of_hash:
+            return False
+        self._block_of_hash[block_hash] = block_id
+        self._hash_of_block[block_id] = block_hash
+        self._events.append(BlockStored(block_hash))
+        return True
+
+    def lookup(self, block_hash: int) -> int | None:
+        """The block cached under block_hash, or None."""
+        return self._block_of_hash.get(block_hash)
+
+    def match_prefix(self, block_hashes: Sequence[int]) -> list[int]:
+        """Blocks of the longest cached run from the start of block_hashes; ref counts unchanged."""
+        block_ids: list[int] = []
+        for block_hash in block_hashes:
+            block_id = self._block_of_hash.get(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids
+
+    def ref_cnt(self, block_id: int) -> int:
+        """Current reference count (0 for the null block)."""
+        self._check_id(block_id, allow_null=True)
+        return self._ref_cnts[block_id]
+
+    def block_hash(self, block_id: int) -> int | None:
+        """The hash a block is cached under, or None."""
+        self._check_id(block_id, allow_null=True)
+        return self._hash_of_block.get(block_id)
+
+    def drain_events(self) -> list[BlockEvent]:
+        """BlockStored / BlockRemoved events since the last drain, oldest first."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the hashes of all free cached blocks (held ones keep theirs); returns how many."""
+        free_cached = [b for b in self._hash_of_block if self._ref_cnts[b] == 0]
+        for block_id in free_cached:
+            self._drop_hash(block_id)
+        return len(free_cached)
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue from head (next to allocate) to tail; O(num_free), for tests and debugging."""
+        block_ids: list[int] = []
+        block_id = self._next[self._sentinel]
+        while block_id != self._sentinel:
+            block_ids.append(block_id)
+            block_id = self._next[block_id]
+        return block_ids
+
+    def _check_id(self, block_id: int, allow_null: bool = False) -> None:
+        lowest = NULL_BLOCK_ID if allow_null else NULL_BLOCK_ID + 1
+        if not lowest <= block_id < self.num_blocks:
+            raise ValueError(f"block id {block_id} is the null block or out of range")
+
+    def _drop_hash(self, block_id: int) -> None:
+        block_hash = self._hash_of_block.pop(block_id)
+        del self._block_of_hash[block_hash]
+        self._events.append(BlockRemoved(block_hash))
+
+    def _pop_head(self) -> int:
+        block_id = self._next[self._sentinel]
+        self._unlink(block_id)
+        return block_id
+
+    def _unlink(self, block_id: int) -> None:
+        prev_id, next_id = self._prev[block_id], self._next[block_id]
+        self._next[prev_id] = next_id
+        self._prev[next_id] = prev_id
+        self._num_free -= 1
+
+    def _append_tail(self, block_id: int) -> None:
+        last = self._prev[self._sentinel]
+        self._next[last] = block_id
+        self._prev[block_id] = last
+        self._next[block_id] = self._sentinel
+        self._prev[self._sentinel] = block_id
+        self._num_free += 1

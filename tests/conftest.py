@@ -1,0 +1,31 @@
+"""Shared pytest fixtures: model folders built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from core.model_store import ModelAssetMissingError, prepare_default_model
+from tests.models import make_tiny_gpt2, make_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random llama folder (seed 0): 4 layers, GQA 4/2 heads, vocab 1024 with its tokenizer."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random GPT-2 folder (seed 0): 3 layers, real GPT-2 vocab and tokenizer."""
+    return make_tiny_gpt2(tmp_path_factory.mktemp("tiny_gpt2"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct folder in the shared cache (converted on first use)."""
+    try:
+        return prepare_default_model()
+    except ModelAssetMissingError as exc:
+        pytest.skip(str(exc))

@@ -1,0 +1,122 @@
+"""Prefix caching in the engine: shared blocks, whole-prompt hits with no forward pass, copy-on-write,
+eviction of cached logits, preemption and abort; every output equals the cache-off engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from core.engine import Engine
+from core.sampling_params import SamplingParams
+from tests.hf_reference import random_prompts
+
+BS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def engine_for(model_dir: Path, caching: bool = True, num_blocks: int = 128, **kw: object) -> Engine:
+    cache = CacheConfig(block_size=BS, num_blocks=num_blocks, enable_prefix_caching=caching, **kw)  # type: ignore[arg-type]
+    return Engine(EngineConfig(ModelConfig.from_pretrained(model_dir), cache, SchedulerConfig(max_num_seqs=8)))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path) -> Engine:
+    return engine_for(tiny_llama_dir, caching=False)
+
+
+def uncached(reference: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return reference.generate(prompts, params)
+
+
+def test_shared_prefix_runs_only_new_tokens(tiny_llama_dir: Path, reference: Engine) -> None:
+    prefix, a, b = random_prompts(1024, (3 * BS + 5, 9, 11), seed=2)
+    engine = engine_for(tiny_llama_dir)
+    engine.generate([prefix + a], GREEDY)
+    before = engine.stats.num_prefill_tokens_computed
+    got = engine.generate([prefix + b], GREEDY)
+    # 3 full blocks (48 tokens) are reused; the 5 leftover prefix tokens sit in a partial block and rerun.
+    assert engine.stats.num_prefill_tokens_computed - before == len(prefix + b) - 3 * BS
+    assert got == uncached(reference, [prefix + b])
+
+
+def test_concurrent_requests_share_prefix_blocks(tiny_llama_dir: Path) -> None:
+    prefix, a, b = random_prompts(1024, (3 * BS, 4, 6), seed=3)
+    engine = engine_for(tiny_llama_dir)
+    engine.add_request("a", prefix + a, GREEDY)
+    engine.step()  # a is prefilled; its 3 full blocks are now cached
+    engine.add_request("b", prefix + b, GREEDY)
+    engine.step()
+    blocks_a, blocks_b = engine.requests["a"].block_ids, engine.requests["b"].block_ids
+    assert blocks_a[:3] == blocks_b[:3]
+    assert all(engine.pool.ref_cnt(blk) == 2 for blk in blocks_a[:3])
+    assert set(blocks_a[3:]).isdisjoint(blocks_b[3:])
+
+
+@pytest.mark.parametrize("length", [3 * BS + 7, 3 * BS], ids=["partial-tail", "block-aligned"])
+def test_whole_prompt_hit_runs_no_forward_pass(tiny_llama_dir: Path, reference: Engine, length: int) -> None:
+    (prompt,) = random_prompts(1024, (length,), seed=4)
+    engine = engine_for(tiny_llama_dir)
+    first = engine.generate([prompt], GREEDY)
+    calls = engine.num_forward_calls
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    assert engine.generate([prompt], one) == [first[0][:1]]
+    assert engine.num_forward_calls == calls
+    assert engine.stats.num_full_hits == 1
+    assert engine.generate([prompt], GREEDY) == first == uncached(reference, [prompt])
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_concurrent_whole_prompt_hits_copy_the_shared_tail(tiny_llama_dir: Path, reference: Engine) -> None:
+    (prompt,) = random_prompts(1024, (2 * BS + 3,), seed=5)
+    engine = engine_for(tiny_llama_dir)
+    expected = uncached(reference, [prompt])[0]
+    engine.generate([prompt], GREEDY)
+    # Three hits on the same cached tail block decode side by side: each must copy it before writing.
+    assert engine.generate([prompt, prompt, prompt], GREEDY) == [expected] * 3
+    assert engine.stats.num_full_hits == 3
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_evicted_logits_fall_back_to_recompute(tiny_llama_dir: Path, reference: Engine) -> None:
+    prompts = random_prompts(1024, (2 * BS + 1, 2 * BS, 2 * BS + 9), seed=6)
+    engine = engine_for(tiny_llama_dir, max_cached_logits=1)
+    expected = uncached(reference, prompts)
+    assert engine.generate(prompts, GREEDY) == expected
+    assert engine.generate(prompts, GREEDY) == expected  # only the last prompt's logits survived
+    assert engine.stats.num_full_hits == 1
+
+
+def test_preemption_keeps_outputs_exact(tiny_llama_dir: Path, reference: Engine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = random_prompts(1024, (20, 30, 25, 18), seed=7)
+    engine = engine_for(tiny_llama_dir, num_blocks=12)  # 11 usable blocks for 4 requests of up to 5
+    assert engine.generate(prompts, params) == uncached(reference, prompts, params)
+    assert engine.stats.num_preemptions > 0
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_abort_frees_every_block(tiny_llama_dir: Path) -> None:
+    prompts = random_prompts(1024, (40, 33), seed=8)
+    engine = engine_for(tiny_llama_dir)
+    engine.add_request("x", prompts[0], GREEDY)
+    engine.add_request("y", prompts[1], GREEDY)
+    engine.step()
+    engine.step()
+    out = engine.abort("x")
+    assert out is not None and out.finished and out.finish_reason == "abort"
+    assert engine.abort("x") is None
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.num_used_blocks == 0
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
+
+
+def test_cache_off_never_reuses(tiny_llama_dir: Path, reference: Engine) -> None:
+    (prompt,) = random_prompts(1024, (3 * BS + 2,), seed=9)
+    reference.generate([prompt], GREEDY)
+    before = reference.stats.num_prefill_tokens_computed
+    reference.generate([prompt], GREEDY)
+    assert reference.stats.num_prefill_tokens_computed - before == len(prompt)
+    assert reference.pool.num_cached_blocks == 0
