@@ -1,0 +1,240 @@
+"""Messages between the router and the worker processes: msgpack over ZeroMQ, one schema module.
+
+Wire format of every message: one ZMQ frame holding msgpack [PROTOCOL_VERSION, type tag, {field: value}].
+`*Cmd` asks a process to do something; `*Event` reports that something happened. Decoding checks the
+version, the tag, the field names and a size limit, and raises MessageError for anything else, so a
+worker can log and drop a hostile frame and keep serving.
+
+NOTE: this module must not import torch: the router imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 << 20
+"""Largest frame any socket accepts (a 1M-token prompt is ~5 MB of msgpack)."""
+
+
+class MessageError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """SamplingParams plus progress, as plain values (see core.sampling_params / core.sampler)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    num_generated: int = 0
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Server-side times of one request, seconds since the epoch (0.0 = not reached)."""
+
+    arrival: float = 0.0
+    prefill_start: float = 0.0
+    prefill_end: float = 0.0
+    handoff_end: float = 0.0
+    first_token: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerateCmd:
+    """Router -> prefill worker: prefill this prompt, then hand it to decode_worker."""
+
+    TAG: ClassVar[str] = "generate"
+    request_id: str
+    token_ids: list[int]
+    sampling: Sampling
+    decode_worker: int
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass(frozen=True)
+class AbortCmd:
+    """Router -> workers: stop this request and free what it holds."""
+
+    TAG: ClassVar[str] = "abort"
+    request_id: str
+
+
+@dataclass(frozen=True)
+class HandoffCmd:
+    """Prefill -> decode worker: the prompt's KV sits in these blocks of prefill_worker's pool (leased
+    until ReleaseCmd); first_token was already sampled and streamed."""
+
+    TAG: ClassVar[str] = "handoff"
+    request_id: str
+    prefill_worker: int
+    lease_id: int
+    block_ids: list[int]
+    token_ids: list[int]
+    """Prompt followed by the first token; the KV of all but the last token is in block_ids."""
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    sampling: Sampling
+    timings: Timings
+
+
+@dataclass(frozen=True)
+class ReleaseCmd:
+    """Decode -> prefill worker: these leases' blocks are copied (or no longer wanted); free them."""
+
+    TAG: ClassVar[str] = "release"
+    decode_worker: int
+    lease_ids: list[int]
+
+
+@dataclass(frozen=True)
+class DecodeWorkerLostCmd:
+    """Router -> prefill workers: decode_worker died; reclaim every lease it held."""
+
+    TAG: ClassVar[str] = "decode_lost"
+    decode_worker: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Worker -> router: new tokens of a request. index is the position of token_ids[0] among the
+    request's generated tokens, so the router can order events from the prefill and decode workers."""
+
+    TAG: ClassVar[str] = "tokens"
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    timings: Timings | None = None
+
+
+@dataclass(frozen=True)
+class RequestErrorEvent:
+    """Worker -> router: the request failed; code is a gRPC status name (INVALID_ARGUMENT, ...)."""
+
+    TAG: ClassVar[str] = "request_error"
+    request_id: str
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class HeartbeatEvent:
+    """Worker -> router, periodically and at start: who it is and how loaded it is."""
+
+    TAG: ClassVar[str] = "heartbeat"
+    role: str
+    worker_id: int
+    pid: int
+    incarnation: str
+    """Random per process start: a restart is a new incarnation."""
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HandshakeCmd:
+    """Decode -> prefill worker (REQ/REP): open the KV pool, if our layouts agree."""
+
+    TAG: ClassVar[str] = "handshake"
+    decode_worker: int
+    fingerprint: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class HandshakeEvent:
+    """Prefill -> decode worker: the transport descriptor, or why the layouts disagree."""
+
+    TAG: ClassVar[str] = "handshake_reply"
+    ok: bool
+    error: str = ""
+    descriptor: dict[str, Any] = field(default_factory=dict)
+
+
+Message = (
+    GenerateCmd
+    | AbortCmd
+    | HandoffCmd
+    | ReleaseCmd
+    | DecodeWorkerLostCmd
+    | TokenEvent
+    | RequestErrorEvent
+    | HeartbeatEvent
+    | HandshakeCmd
+    | HandshakeEvent
+)
+_TYPES: dict[str, type] = {
+    t.TAG: t
+    for t in (
+        GenerateCmd,
+        AbortCmd,
+        HandoffCmd,
+        ReleaseCmd,
+        DecodeWorkerLostCmd,
+        TokenEvent,
+        RequestErrorEvent,
+        HeartbeatEvent,
+        HandshakeCmd,
+        HandshakeEvent,
+    )
+}
+_NESTED = {"sampling": Sampling, "timings": Timings}
+
+
+def encode(msg: Message) -> bytes:
+    """One frame: msgpack [version, tag, fields]."""
+    return msgpack.packb([PROTOCOL_VERSION, msg.TAG, dataclasses.asdict(msg)], use_bin_type=True)
+
+
+def decode(frame: bytes) -> Message:
+    """Parse one frame; MessageError on anything that is not a valid message."""
+    if len(frame) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"frame of {len(frame)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise MessageError(f"not msgpack: {exc}") from None
+    if not (isinstance(obj, list) and len(obj) == 3 and isinstance(obj[2], dict)):
+        raise MessageError("frame is not [version, type, fields]")
+    version, tag, fields = obj
+    if version != PROTOCOL_VERSION:
+        raise MessageError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    cls = _TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise MessageError(f"unknown message type {tag!r}")
+    return _build(cls, fields)  # type: ignore[no-any-return]
+
+
+def _build(cls: type, fields: dict[str, Any]) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(fields) - names
+    if unknown:
+        raise MessageError(f"{cls.__name__}: unknown fields {sorted(map(str, unknown))}")
+    kwargs = {}
+    for name, value in fields.items():
+        nested = _NESTED.get(name)
+        if nested is not None and isinstance(value, dict):
+            value = _build(nested, value)
+        elif isinstance(value, list) and name == "stop_token_ids":
+            value = tuple(value)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise MessageError(f"{cls.__name__}: {exc}") from None
