@@ -11,7 +11,7 @@ from core.block_pool import BlockPool
 from core.config import EngineConfig
 from core.errors import InvalidRequestError
 from core.kv_cache_manager import KVCacheManager
-from core.model_runner import ModelRunner
+from core.model_runner import KVAllocator, ModelRunner
 from core.request import Request, RequestStatus
 from core.sampler import Sampler, SamplingState
 from core.sampling_params import SamplingParams
@@ -49,9 +49,11 @@ class EngineStats:
 class Engine:
     """Continuous-batching engine over one model and one paged KV cache."""
 
-    def __init__(self, config: EngineConfig, backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, backend: AttentionBackend | None = None, kv_allocator: KVAllocator | None = None
+    ) -> None:
         self.config = config
-        self.runner = ModelRunner(config, backend)
+        self.runner = ModelRunner(config, backend, kv_allocator)
         self.pool = BlockPool(self.runner.num_blocks)
         cache = config.cache
         self.kv = KVCacheManager(self.pool, cache.block_size, cache.enable_prefix_caching, cache.max_cached_logits)
@@ -90,6 +92,40 @@ class Engine:
         if needed > self.pool.num_blocks - 1:
             raise InvalidRequestError(f"the prompt needs {needed} KV blocks; the pool has {self.pool.num_blocks - 1}")
         params.validate(m.vocab_size)
+
+    def detach(self, request_id: str) -> Request:
+        """Take a running request out of the engine WITHOUT freeing its blocks: the caller now owns one
+        reference on each of req.block_ids (a prefill worker leases them to a decode worker) and must give
+        them back with release_blocks. Call it right after the step that produced the request's output."""
+        req = self.requests.pop(request_id)
+        self.scheduler.running.remove(req)
+        req.status = RequestStatus.FINISHED
+        return req
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop references taken by detach (tail first, like any free)."""
+        self.pool.free(list(block_ids)[::-1])
+
+    def adopt(
+        self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, sampling: SamplingState
+    ) -> list[int] | None:
+        """Add a request whose KV for all but the last token was computed elsewhere (a handoff).
+
+        Allocates blocks for that KV and returns their ids; the caller must fill them before the next step.
+        None when there is no room (nothing changed). The request then decodes like any other.
+        """
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        num_computed = len(token_ids) - 1
+        num_blocks = self.kv.blocks_needed(num_computed)
+        if num_blocks > self.pool.num_free_blocks or len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
+            return None
+        req = Request(request_id, list(token_ids), num_prompt_tokens, sampling, status=RequestStatus.RUNNING)
+        req.block_ids.extend(self.pool.allocate(num_blocks))
+        req.num_computed_tokens = num_computed
+        self.requests[request_id] = req
+        self.scheduler.running.append(req)
+        return req.block_ids
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from core.config import EngineConfig
@@ -28,19 +30,38 @@ def resolve_num_blocks(cfg: EngineConfig, device: torch.device) -> int:
     return max(2, budget // kv_bytes_per_block(cfg))
 
 
-class ModelRunner:
-    """Owns the model weights and the KV cache tensors of one process."""
+KVAllocator = Callable[[int], torch.Tensor]
+"""num_blocks -> the whole KV pool [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
 
-    def __init__(self, cfg: EngineConfig, backend: AttentionBackend | None = None) -> None:
+
+def kv_pool_shape(cfg: EngineConfig, num_blocks: int) -> tuple[int, ...]:
+    m = cfg.model
+    return (m.num_layers, 2, num_blocks, cfg.cache.block_size, m.num_kv_heads, m.head_dim)
+
+
+class ModelRunner:
+    """Owns the model weights and the KV cache tensors of one process.
+
+    The KV pool is one contiguous tensor; a worker that shares it with another process (kvtransfer)
+    passes kv_allocator to place it in shared memory.
+    """
+
+    def __init__(
+        self, cfg: EngineConfig, backend: AttentionBackend | None = None, kv_allocator: KVAllocator | None = None
+    ) -> None:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.backend = backend or TorchAttention()
         self.model = load_model(cfg.model, self.backend, self.device)
         self.num_blocks = resolve_num_blocks(cfg, self.device)
-        m = cfg.model
-        kv_dtype = getattr(torch, cfg.cache.kv_dtype or m.dtype)
-        shape = (2, self.num_blocks, cfg.cache.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in range(m.num_layers)]
+        kv_dtype = getattr(torch, cfg.cache.kv_dtype or cfg.model.dtype)
+        shape = kv_pool_shape(cfg, self.num_blocks)
+        self.kv_pool = (
+            kv_allocator(self.num_blocks) if kv_allocator else torch.zeros(shape, dtype=kv_dtype, device=self.device)
+        )
+        if tuple(self.kv_pool.shape) != shape:
+            raise ValueError(f"KV pool shape {tuple(self.kv_pool.shape)} != expected {shape}")
+        self.kv_caches = list(self.kv_pool.unbind(0))  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
         self.num_forward_calls = 0
         self.num_forward_tokens = 0
 
@@ -49,8 +70,7 @@ class ModelRunner:
         """kv[:, dst] = kv[:, src] in every layer (one indexed copy per layer)."""
         src_t = torch.tensor(src, device=self.device)
         dst_t = torch.tensor(dst, device=self.device)
-        for kv in self.kv_caches:
-            kv[:, dst_t] = kv[:, src_t]
+        self.kv_pool[:, :, dst_t] = self.kv_pool[:, :, src_t]
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> torch.Tensor:
