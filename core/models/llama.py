@@ -37,12 +37,14 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         hf = cfg.hf_config
-        bias = bool(getattr(hf, "attention_bias", hf.model_type == "qwen2"))
+        # NOTE: Llama's attention_bias covers q/k/v/o; Qwen2 always has q/k/v bias and no o bias.
+        o_bias = bool(getattr(hf, "attention_bias", False))
+        bias = o_bias or hf.model_type == "qwen2"
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
 
