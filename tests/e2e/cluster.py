@@ -1,0 +1,87 @@
+"""Start a real cluster (scripts/supervisor.py) for end-to-end tests and look inside it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Cluster:
+    """router + N prefill + M decode processes under the supervisor, in a private run dir."""
+
+    def __init__(self, model: Path, run_dir: Path, prefill: int = 1, decode: int = 1, *extra: str) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.run_dir = run_dir
+        argv = [sys.executable, str(ROOT / "scripts" / "supervisor.py"), "--model", str(model)]
+        argv += ["--prefill", str(prefill), "--decode", str(decode), "--port", str(self.port)]
+        argv += ["--run-dir", str(run_dir), "--device", "cpu", *extra]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        os.set_blocking(self.proc.stdout.fileno(), False)
+        buf = ""
+        while time.monotonic() < deadline:
+            chunk = self.proc.stdout.read() or ""
+            buf += chunk
+            if "pdserve cluster ready on" in buf:
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"cluster not ready: {buf}\n{self.logs()}")
+
+    def logs(self) -> str:
+        out = []
+        for log in sorted((self.run_dir / "logs").glob("*.log")):
+            out.append(f"==== {log.name}\n{log.read_text(errors='replace')[-3000:]}")
+        return "\n".join(out)
+
+    def stats(self, role: str, worker: int) -> dict[str, Any]:
+        return json.loads((self.run_dir / "stats" / f"{role}-{worker}.json").read_text())  # type: ignore[no-any-return]
+
+    def status(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "status.json").read_text())  # type: ignore[no-any-return]
+
+    def pid(self, name: str) -> int:
+        role = next(r for r in self.status()["roles"] if r["name"] == name)
+        return int(role["pid"])
+
+    def wait_for(self, predicate: Any, timeout: float, what: str) -> float:
+        """Poll predicate until true; seconds it took. Raises with the logs on timeout."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            try:
+                if predicate():
+                    return time.monotonic() - start
+            except (FileNotFoundError, json.JSONDecodeError, KeyError, StopIteration):
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{self.logs()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
