@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 
 import msgpack
 
+from core.sampling_params import SamplingParams
+
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20
 """Largest frame any socket accepts (a 1M-token prompt is ~5 MB of msgpack)."""
@@ -79,6 +81,8 @@ class HandoffCmd:
     TAG: ClassVar[str] = "handoff"
     request_id: str
     prefill_worker: int
+    pool_id: str
+    """Identity of the prefill worker's KV pool (changes on restart): a stale handshake is redone."""
     lease_id: int
     block_ids: list[int]
     token_ids: list[int]
@@ -164,6 +168,7 @@ class HandshakeEvent:
     TAG: ClassVar[str] = "handshake_reply"
     ok: bool
     error: str = ""
+    pool_id: str = ""
     descriptor: dict[str, Any] = field(default_factory=dict)
 
 
@@ -238,3 +243,31 @@ def _build(cls: type, fields: dict[str, Any]) -> Any:
         return cls(**kwargs)
     except TypeError as exc:
         raise MessageError(f"{cls.__name__}: {exc}") from None
+
+
+def sampling_to_params(s: Sampling) -> SamplingParams:
+    """The engine's SamplingParams from the wire form (progress dropped)."""
+    return SamplingParams(
+        temperature=s.temperature,
+        top_k=s.top_k,
+        top_p=s.top_p,
+        seed=s.seed,
+        max_tokens=s.max_tokens,
+        min_tokens=s.min_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+    )
+
+
+def params_to_sampling(p: SamplingParams, num_generated: int = 0) -> Sampling:
+    return Sampling(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        seed=p.seed,
+        max_tokens=p.max_tokens,
+        min_tokens=p.min_tokens,
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        num_generated=num_generated,
+    )

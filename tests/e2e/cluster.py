@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,22 +33,24 @@ class Cluster:
         argv += ["--prefill", str(prefill), "--decode", str(decode), "--port", str(self.port)]
         argv += ["--run-dir", str(run_dir), "--device", "cpu", *extra]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        self.output: list[str] = []
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
-        assert self.proc.stdout is not None
-        os.set_blocking(self.proc.stdout.fileno(), False)
-        buf = ""
         while time.monotonic() < deadline:
-            chunk = self.proc.stdout.read() or ""
-            buf += chunk
-            if "pdserve cluster ready on" in buf:
+            if any("pdserve cluster ready on" in line for line in self.output):
                 return
             if self.proc.poll() is not None:
                 break
             time.sleep(0.1)
-        raise RuntimeError(f"cluster not ready: {buf}\n{self.logs()}")
+        raise RuntimeError(f"cluster not ready: {''.join(self.output)}\n{self.logs()}")
 
     def logs(self) -> str:
         out = []

@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -34,7 +35,7 @@ def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         c.stop()
 
 
-def greedy_request(prompt: list[int], max_tokens: int = NEW_TOKENS, **kw: object) -> pb.GenerateRequest:
+def greedy_request(prompt: list[int], max_tokens: int = NEW_TOKENS, **kw: Any) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
 

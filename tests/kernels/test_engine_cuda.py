@@ -21,7 +21,7 @@ NEW_TOKENS = 32
 def hf_greedy_cuda(model_dir: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()  # type: ignore[call-arg]
     tokens, logits = [], []
     for prompt in prompts:
         ids = torch.tensor([prompt], device="cuda")

@@ -1,0 +1,46 @@
+"""Command-line flags shared by the worker processes, mapped onto EngineConfig."""
+
+from __future__ import annotations
+
+import argparse
+
+from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model folder (config.json + safetensors)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
+    parser.add_argument("--kv-memory-fraction", type=float, default=0.5)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--prefill-chunk-size", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+
+
+def add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worker-id", type=int, required=True)
+    parser.add_argument("--run-dir", required=True, help="folder of the cluster's ipc sockets")
+    parser.add_argument("--num-prefill", type=int, default=1)
+    parser.add_argument("--num-decode", type=int, default=1)
+    parser.add_argument("--transport", default="shm", choices=["shm", "cuda_ipc"])
+    parser.add_argument("--heartbeat-interval", type=float, default=0.25)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    model = ModelConfig.from_pretrained(args.model, dtype=args.dtype, load_format=args.load_format)
+    cache = CacheConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        memory_fraction=args.kv_memory_fraction,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    sched = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_size=args.prefill_chunk_size,
+    )
+    return EngineConfig(model=model, cache=cache, scheduler=sched, device=args.device)

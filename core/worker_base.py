@@ -1,0 +1,123 @@
+"""The loop both worker roles share: poll sockets, step the engine, heartbeat the router."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+from typing import Literal
+
+import zmq
+
+from core import ipc
+from core.engine import Engine
+from core.messages import HeartbeatEvent, Message
+
+log = logging.getLogger(__name__)
+Role = Literal["prefill", "decode"]
+
+
+class WorkerBase:
+    """Owns the ZMQ context, the inbox and the router socket; subclasses handle messages and outputs."""
+
+    role: Role
+
+    def __init__(self, worker_id: int, run_dir: str, inbox_addr: str, heartbeat_interval: float) -> None:
+        self.worker_id = worker_id
+        self.run_dir = run_dir
+        self.incarnation = uuid.uuid4().hex
+        self.ctx = zmq.Context()
+        self.inbox = ipc.bind_pull(self.ctx, inbox_addr)
+        self.to_router = ipc.connect_push(self.ctx, ipc.router_addr(run_dir))
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox, zmq.POLLIN)
+        self.heartbeat_interval = heartbeat_interval
+        self._next_heartbeat = 0.0
+        self._stopping = False
+        self.engine: Engine  # set by the subclass
+
+    def handle(self, msg: Message) -> None:
+        raise NotImplementedError
+
+    def handle_socket(self, sock: zmq.Socket) -> None:
+        """Messages on sockets other than the inbox (subclasses register them with the poller)."""
+
+    def after_step(self) -> None:
+        """Per-iteration housekeeping (lease expiry, retries)."""
+
+    def step_engine(self) -> None:
+        raise NotImplementedError
+
+    def counters(self) -> dict[str, int]:
+        s = self.engine.stats
+        return {
+            "forward_calls": self.engine.num_forward_calls,
+            "prefill_tokens_computed": s.num_prefill_tokens_computed,
+            "cached_prompt_tokens": s.num_cached_prompt_tokens,
+            "full_hits": s.num_full_hits,
+            "preemptions": s.num_preemptions,
+        }
+
+    def heartbeat(self) -> None:
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.heartbeat_interval
+        pool, sched = self.engine.pool, self.engine.scheduler
+        event = HeartbeatEvent(
+            role=self.role,
+            worker_id=self.worker_id,
+            pid=os.getpid(),
+            incarnation=self.incarnation,
+            num_free_blocks=pool.num_free_blocks,
+            num_total_blocks=pool.num_blocks - 1,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            counters=self.counters(),
+        )
+        ipc.send(self.to_router, event)
+        self._write_stats(event)
+
+    def _write_stats(self, event: HeartbeatEvent) -> None:
+        """The latest heartbeat as JSON under run_dir/stats/ (read by the status command and tests)."""
+        path = Path(self.run_dir) / "stats" / f"{self.role}-{self.worker_id}.json"
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(event)))
+        tmp.replace(path)
+
+    def run(self) -> None:
+        """Serve until SIGTERM / SIGINT."""
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        log.info("%s worker %d ready (pid %d)", self.role, self.worker_id, os.getpid())
+        while not self._stopping:
+            self.heartbeat()
+            timeout = 0 if self.engine.has_unfinished() else int(self.heartbeat_interval * 1000)
+            for sock, _ in self.poller.poll(timeout):
+                if sock is self.inbox:
+                    for msg in ipc.recv_all(self.inbox):
+                        self._safe_handle(msg)
+                else:
+                    self.handle_socket(sock)
+            if self.engine.has_unfinished():
+                self.step_engine()
+            self.after_step()
+        self.close()
+
+    def _safe_handle(self, msg: Message) -> None:
+        try:
+            self.handle(msg)
+        except Exception:  # NOTE: one bad message must not take the worker down
+            log.exception("failed to handle %s", type(msg).__name__)
+
+    def _stop(self, *_: object) -> None:
+        self._stopping = True
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)

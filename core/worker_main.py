@@ -1,0 +1,33 @@
+"""Entry point shared by `python -m prefill_worker` and `python -m decode_worker`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+from core.cli import add_cluster_args, add_engine_args, engine_config_from_args
+from core.config import EngineConfig
+from core.worker_base import WorkerBase
+
+WorkerFactory = Callable[[EngineConfig, argparse.Namespace], WorkerBase]
+
+
+def main(role: str, factory: WorkerFactory, argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {role}_worker", description=f"pdserve {role} worker")
+    add_engine_args(parser)
+    add_cluster_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {role}-{args.worker_id} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        worker = factory(engine_config_from_args(args), args)
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"pdserve {role} worker {args.worker_id}: cannot start: {exc}", file=sys.stderr)
+        return 2
+    worker.run()
+    return 0

@@ -1,0 +1,16 @@
+from __future__ import annotations
+
+import argparse
+import sys
+
+from core.config import EngineConfig
+from core.worker_main import main
+from decode_worker.worker import DecodeWorker
+
+
+def _build(cfg: EngineConfig, args: argparse.Namespace) -> DecodeWorker:
+    return DecodeWorker(cfg, args.worker_id, args.run_dir, args.num_prefill, args.transport, args.heartbeat_interval)
+
+
+if __name__ == "__main__":
+    sys.exit(main("decode", _build))

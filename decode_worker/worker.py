@@ -1,0 +1,180 @@
+"""Decode worker: adopts handed-off requests, pulls their KV blocks, releases them, decodes and streams."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+from typing import NamedTuple
+
+import torch
+import zmq
+
+from core import ipc
+from core.config import EngineConfig
+from core.engine import Engine
+from core.errors import InvalidRequestError
+from core.messages import (
+    AbortCmd,
+    HandoffCmd,
+    HandshakeCmd,
+    HandshakeEvent,
+    Message,
+    ReleaseCmd,
+    RequestErrorEvent,
+    TokenEvent,
+    decode,
+    encode,
+    sampling_to_params,
+)
+from core.sampler import SamplingState
+from core.worker_base import WorkerBase
+from kvtransfer.base import KVTransferSink, make_sink
+from kvtransfer.layout import KVLayout
+from kvtransfer.pool import KVPool, allocate_kv_pool
+
+log = logging.getLogger(__name__)
+HANDSHAKE_TIMEOUT_MS = 10_000
+RECENT_ABORTS = 4096
+
+
+class _Peer(NamedTuple):
+    pool_id: str
+    release: zmq.Socket
+
+
+class DecodeWorker(WorkerBase):
+    """One decode process: continuous batching over requests whose prompts were prefilled elsewhere."""
+
+    role = "decode"
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        worker_id: int,
+        run_dir: str,
+        num_prefill: int,
+        transport: str,
+        heartbeat_interval: float = 0.25,
+    ) -> None:
+        super().__init__(worker_id, run_dir, ipc.decode_addr(run_dir, worker_id), heartbeat_interval)
+        self.cfg = cfg
+        self.kv_pool: KVPool | None = None
+        self.engine = Engine(cfg, kv_allocator=self._allocate_pool)
+        self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
+        assert self.kv_pool is not None
+        self.sink: KVTransferSink = make_sink(transport, self.kv_pool, self.layout)
+        self.to_prefill: list[zmq.Socket] = [
+            ipc.connect_push(self.ctx, ipc.prefill_addr(run_dir, i)) for i in range(num_prefill)
+        ]
+        self.peers: dict[int, str] = {}  # prefill worker -> pool_id opened
+        self.waiting: deque[HandoffCmd] = deque()  # handoffs that found no room yet (still leased)
+        self.aborted: OrderedDict[str, None] = OrderedDict()  # recent aborts, for handoffs that race them
+        self.num_blocks_pulled: int = 0
+
+    def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
+        layout = KVLayout.from_engine_config(self.cfg, num_blocks)
+        self.kv_pool = allocate_kv_pool(layout, torch.device(self.cfg.device), shared=False)
+        return self.kv_pool.tensor
+
+    def counters(self) -> dict[str, int]:
+        return {**super().counters(), "blocks_pulled": self.num_blocks_pulled, "handoffs_waiting": len(self.waiting)}
+
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, HandoffCmd):
+            self.waiting.append(msg)
+            self._admit_waiting()
+        elif isinstance(msg, AbortCmd):
+            self._abort(msg.request_id)
+        else:
+            log.warning("decode worker ignores %s", type(msg).__name__)
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self.aborted[request_id] = None
+        while len(self.aborted) > RECENT_ABORTS:
+            self.aborted.popitem(last=False)
+        for cmd in [c for c in self.waiting if c.request_id == request_id]:
+            self.waiting.remove(cmd)
+            self._release(cmd)
+
+    def after_step(self) -> None:
+        self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
+        while self.waiting:
+            cmd = self.waiting[0]
+            if cmd.request_id in self.aborted:
+                self.waiting.popleft()
+                self._release(cmd)
+                continue
+            if not self._adopt(cmd):
+                return
+            self.waiting.popleft()
+
+    def _adopt(self, cmd: HandoffCmd) -> bool:
+        """Pull cmd's blocks into our pool and start decoding it; False if there is no room yet."""
+        s = cmd.sampling
+        state = SamplingState(sampling_to_params(s), self.cfg.model.eos_token_ids, s.num_generated)
+        try:
+            dst = self.engine.adopt(cmd.request_id, cmd.token_ids, cmd.num_prompt_tokens, state)
+        except InvalidRequestError as exc:
+            self._release(cmd)
+            ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "INTERNAL", str(exc)))
+            return True
+        if dst is None:
+            return False
+        try:
+            self._ensure_peer(cmd.prefill_worker, cmd.pool_id)
+            self.sink.pull(cmd.prefill_worker, cmd.block_ids[: len(dst)], dst)
+        except Exception as exc:
+            log.exception("KV pull from prefill worker %d failed", cmd.prefill_worker)
+            self.engine.abort(cmd.request_id)
+            ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "UNAVAILABLE", f"KV transfer failed: {exc}"))
+        else:
+            self.num_blocks_pulled += len(dst)
+        self._release(cmd)
+        return True
+
+    def _release(self, cmd: HandoffCmd) -> None:
+        ipc.send(self.to_prefill[cmd.prefill_worker], ReleaseCmd(self.worker_id, [cmd.lease_id]))
+
+    def _ensure_peer(self, prefill_worker: int, pool_id: str) -> None:
+        """Handshake with a prefill worker once per pool (again after it restarted)."""
+        if self.peers.get(prefill_worker) == pool_id:
+            return
+        self.sink.close(prefill_worker)
+        self.peers.pop(prefill_worker, None)
+        reply = self._handshake(prefill_worker)
+        if not reply.ok:
+            raise RuntimeError(f"prefill worker {prefill_worker} refused the handshake: {reply.error}")
+        self.sink.open(prefill_worker, reply.descriptor, self.layout.fingerprint())
+        self.peers[prefill_worker] = reply.pool_id
+
+    def _handshake(self, prefill_worker: int) -> HandshakeEvent:
+        sock = self.ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, HANDSHAKE_TIMEOUT_MS)
+        sock.connect(ipc.handshake_addr(self.run_dir, prefill_worker))
+        try:
+            sock.send(encode(HandshakeCmd(self.worker_id, self.layout.fingerprint())))
+            reply = decode(sock.recv())
+        finally:
+            sock.close()
+        if not isinstance(reply, HandshakeEvent):
+            raise RuntimeError(f"bad handshake reply {type(reply).__name__}")
+        return reply
+
+    def step_engine(self) -> None:
+        for out in self.engine.step():
+            index = out.num_output_tokens - len(out.new_token_ids)
+            ipc.send(
+                self.to_router,
+                TokenEvent(
+                    out.request_id,
+                    index,
+                    out.new_token_ids,
+                    out.finish_reason,
+                    out.num_prompt_tokens,
+                    out.num_cached_tokens,
+                ),
+            )

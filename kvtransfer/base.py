@@ -1,0 +1,193 @@
+"""The KV transfer contract: a source exports a prefill worker's pool, a sink copies blocks out of it.
+
+This is the worker-side half of the connector (it moves bytes); kvtransfer.lease is the scheduler-side
+half (which blocks are lent to which decode worker, until when). The protocol between the two workers:
+
+1. decode -> prefill `HandshakeCmd(fingerprint)`; the prefill worker runs `check_compatible` and replies
+   `HandshakeEvent(descriptor=source.descriptor())`.
+2. decode: `sink.open(prefill_worker, descriptor, remote_fingerprint)`, once per prefill pool; the sink
+   checks the layouts again and maps the remote pool (cached until `close`).
+3. per handed-off request: `sink.pull(prefill_worker, src_block_ids, dst_block_ids)`, then `ReleaseCmd`.
+
+NOTE: a source announces blocks (HandoffCmd) only after the writes into them have finished; the prefill
+worker guarantees it by reading the sampled first token on the host, which waits for the forward pass.
+NOTE: `pull` is synchronous: when it returns the bytes are in the local pool (on CUDA its copy stream has
+been synchronized), so the caller may release the lease at once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import replace
+from typing import Any, ClassVar, Literal, NamedTuple
+
+import torch
+
+from kvtransfer.layout import KVLayout, check_compatible
+from kvtransfer.pool import KVPool
+
+Transport = Literal["shm", "cuda_ipc"]
+TRANSPORTS: tuple[Transport, ...] = ("shm", "cuda_ipc")
+
+
+class KVTransferError(RuntimeError):
+    """A descriptor that cannot be opened, a prefill worker not opened, or block ids out of range."""
+
+
+class KVTransferSource(ABC):
+    """Prefill side: exports its pool (the pool stays owned by the worker; the source never frees it)."""
+
+    transport: ClassVar[Transport]
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The pool's layout fingerprint (everything but num_blocks)."""
+        return self.pool.layout.fingerprint()
+
+    def descriptor(self) -> dict[str, Any]:
+        """What a sink needs to open the pool, as plain msgpack-able values: transport, fingerprint,
+        num_blocks, shape, plus the transport's own fields (shm name, or the CUDA IPC handle)."""
+        layout = self.pool.layout
+        common = {
+            "transport": self.transport,
+            "fingerprint": layout.fingerprint(),
+            "num_blocks": layout.num_blocks,
+            "shape": list(layout.shape),
+        }
+        return {**common, **self._export()}
+
+    @abstractmethod
+    def _export(self) -> dict[str, Any]:
+        """The transport's fields of the descriptor."""
+
+
+class _Remote(NamedTuple):
+    descriptor: dict[str, Any]
+    layout: KVLayout
+    tensor: torch.Tensor  # the remote pool [num_layers, 2, remote num_blocks, block_size, kv_heads, head_dim]
+
+
+class KVTransferSink(ABC):
+    """Decode side: opens prefill workers' pools (once each) and copies blocks into the local pool."""
+
+    transport: ClassVar[Transport]
+
+    def __init__(self, local_pool: KVPool, layout: KVLayout) -> None:
+        if tuple(local_pool.tensor.shape) != layout.shape or local_pool.tensor.dtype != layout.torch_dtype:
+            raise ValueError(
+                f"local pool {tuple(local_pool.tensor.shape)} {local_pool.tensor.dtype} does not match "
+                f"layout {layout.shape} {layout.dtype}"
+            )
+        self.local_pool = local_pool
+        self.layout = layout
+        self._remotes: dict[int, _Remote] = {}
+
+    def is_open(self, prefill_worker: int) -> bool:
+        return prefill_worker in self._remotes
+
+    def open(
+        self, prefill_worker: int, descriptor: dict[str, Any], remote_fingerprint: dict[str, Any] | None = None
+    ) -> None:
+        """Map prefill_worker's pool described by descriptor (source.descriptor() of that worker).
+
+        Raises LayoutMismatchError when remote_fingerprint (if given) or the fingerprint inside the
+        descriptor differs from ours, KVTransferError for a descriptor of another transport or one that
+        cannot be opened. Opening the same descriptor again is a no-op; a different one replaces the old.
+        """
+        if descriptor.get("transport") != self.transport:
+            raise KVTransferError(f"{self.transport} sink got a {descriptor.get('transport')!r} descriptor")
+        local_fp = self.layout.fingerprint()
+        if remote_fingerprint is not None:
+            check_compatible(local_fp, remote_fingerprint)
+        check_compatible(local_fp, descriptor_field(descriptor, "fingerprint", dict))
+        current = self._remotes.get(prefill_worker)
+        if current is not None and current.descriptor == descriptor:
+            return
+        self.close(prefill_worker)
+        remote_layout = self._remote_layout(descriptor)
+        tensor = self._attach(descriptor, remote_layout)
+        self._remotes[prefill_worker] = _Remote(dict(descriptor), remote_layout, tensor)
+
+    @torch.inference_mode()
+    def pull(self, prefill_worker: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Copy blocks src_block_ids of prefill_worker's pool into dst_block_ids of the local pool, K and V of
+        every layer; returns once the data is in the local pool. KVTransferError when prefill_worker is
+        not open or the ids are out of range, of different lengths, or repeat a destination."""
+        remote = self._remotes.get(prefill_worker)
+        if remote is None:
+            raise KVTransferError(f"prefill worker {prefill_worker} is not open")
+        _check_block_ids(src_block_ids, dst_block_ids, remote.layout.num_blocks, self.layout.num_blocks)
+        if src_block_ids:
+            self._copy(remote.tensor, src_block_ids, dst_block_ids)
+
+    def close(self, prefill_worker: int) -> None:
+        """Drop the mapping of prefill_worker's pool (no-op if not open)."""
+        self._remotes.pop(prefill_worker, None)
+
+    def close_all(self) -> None:
+        for prefill_worker in list(self._remotes):
+            self.close(prefill_worker)
+
+    def _remote_layout(self, descriptor: dict[str, Any]) -> KVLayout:
+        num_blocks = descriptor_field(descriptor, "num_blocks", int)
+        try:
+            layout = replace(self.layout, num_blocks=num_blocks)
+        except ValueError as exc:
+            raise KVTransferError(f"bad descriptor: {exc}") from None
+        shape = tuple(descriptor_field(descriptor, "shape", list))
+        if shape != layout.shape:
+            raise KVTransferError(f"descriptor shape {shape} != {layout.shape} implied by its fingerprint")
+        return layout
+
+    @abstractmethod
+    def _attach(self, descriptor: dict[str, Any], remote_layout: KVLayout) -> torch.Tensor:
+        """Map the remote pool; the result has remote_layout's shape and dtype."""
+
+    @abstractmethod
+    def _copy(self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """local[:, :, dst] = remote[:, :, src] (ids already checked), complete on return."""
+
+
+def make_source(kind: str, pool: KVPool) -> KVTransferSource:
+    """The source of transport kind ("shm" | "cuda_ipc") over pool."""
+    from kvtransfer.cuda_ipc import CudaIpcSource
+    from kvtransfer.shm import ShmSource
+
+    sources: dict[str, type[KVTransferSource]] = {"shm": ShmSource, "cuda_ipc": CudaIpcSource}
+    return sources[_check_kind(kind)](pool)
+
+
+def make_sink(kind: str, local_pool: KVPool, layout: KVLayout) -> KVTransferSink:
+    """The sink of transport kind ("shm" | "cuda_ipc") copying into local_pool (of layout)."""
+    from kvtransfer.cuda_ipc import CudaIpcSink
+    from kvtransfer.shm import ShmSink
+
+    sinks: dict[str, type[KVTransferSink]] = {"shm": ShmSink, "cuda_ipc": CudaIpcSink}
+    return sinks[_check_kind(kind)](local_pool, layout)
+
+
+def _check_kind(kind: str) -> str:
+    if kind not in TRANSPORTS:
+        raise ValueError(f"unknown KV transport {kind!r}; choose one of {list(TRANSPORTS)}")
+    return kind
+
+
+def descriptor_field(descriptor: dict[str, Any], name: str, kind: type) -> Any:
+    """descriptor[name], which must be a kind (bool is not an int here); else KVTransferError."""
+    value = descriptor.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise KVTransferError(f"descriptor field {name!r} is {value!r}, expected {kind.__name__}")
+    return value
+
+
+def _check_block_ids(src: list[int], dst: list[int], num_src_blocks: int, num_dst_blocks: int) -> None:
+    if len(src) != len(dst):
+        raise KVTransferError(f"{len(src)} source blocks but {len(dst)} destination blocks")
+    bad_src = [b for b in src if not 0 <= b < num_src_blocks]
+    bad_dst = [b for b in dst if not 0 <= b < num_dst_blocks]
+    if bad_src or bad_dst:
+        raise KVTransferError(f"block ids out of range: source {bad_src[:8]}, destination {bad_dst[:8]}")
+    if len(set(dst)) != len(dst):
+        raise KVTransferError("destination block ids repeat")

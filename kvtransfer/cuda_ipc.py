@@ -1,0 +1,122 @@
+"""CUDA transport: the prefill pool's memory is exported by CUDA IPC handle; the sink maps it and copies.
+
+Follows torch.multiprocessing.reductions (reduce_tensor / rebuild_cuda_tensor): the source calls
+`untyped_storage()._share_cuda_()` once per descriptor (each call gets its own IPC ref-counter slot,
+released when the sink drops its mapping), the sink rebuilds the storage with
+`torch.UntypedStorage._new_shared_cuda(...)` and views it with the pool's shape and dtype.
+
+NOTE: the GPU is named by UUID in the descriptor, so the two processes may number devices differently
+(CUDA_VISIBLE_DEVICES); the source's GPU must be visible to the sink. Mapping a handle creates a CUDA
+context on the source's GPU in the sink process. When the GPUs differ, the gathered blocks cross with a
+peer copy (staged through the host by CUDA where peer access is not supported).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, descriptor_field
+from kvtransfer.layout import KVLayout
+from kvtransfer.pool import KVPool
+
+
+class CudaIpcSource(KVTransferSource):
+    """Exports a CUDA pool; descriptor adds the fields of `_share_cuda_()` and the GPU's UUID."""
+
+    transport = "cuda_ipc"
+
+    def __init__(self, pool: KVPool) -> None:
+        t = pool.tensor
+        if t.device.type != "cuda" or not t.is_contiguous() or t.storage_offset() != 0:
+            raise KVTransferError("the cuda_ipc transport needs a contiguous CUDA pool at offset 0")
+        super().__init__(pool)
+
+    def _export(self) -> dict[str, Any]:
+        storage = self.pool.tensor.untyped_storage()
+        device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = storage._share_cuda_()
+        return {
+            "device": int(device),
+            "device_uuid": _device_uuid(int(device)),
+            "handle": bytes(handle),
+            "storage_nbytes": int(size),
+            "storage_offset": int(offset),
+            "ref_counter_handle": bytes(ref_handle),
+            "ref_counter_offset": int(ref_offset),
+            "event_handle": bytes(event_handle),
+            "event_sync_required": bool(event_sync),
+        }
+
+
+class CudaIpcSink(KVTransferSink):
+    """Copies blocks from mapped CUDA pools into a local CUDA pool on the sink's own streams, then waits
+    for the copy (pull is synchronous)."""
+
+    transport = "cuda_ipc"
+
+    def __init__(self, local_pool: KVPool, layout: KVLayout) -> None:
+        if local_pool.device.type != "cuda":
+            raise KVTransferError(f"the cuda_ipc transport copies into a CUDA pool, not {local_pool.device}")
+        super().__init__(local_pool, layout)
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def _attach(self, descriptor: dict[str, Any], remote_layout: KVLayout) -> torch.Tensor:
+        device = _local_index(descriptor)
+        storage = _open_storage(descriptor, device)
+        if storage.nbytes() < remote_layout.nbytes:
+            raise KVTransferError(f"exported storage has {storage.nbytes()} bytes, the pool {remote_layout.nbytes}")
+        flat = torch.empty((0,), dtype=remote_layout.torch_dtype, device=storage.device).set_(storage)
+        return flat[: remote_layout.nbytes // remote_layout.torch_dtype.itemsize].view(remote_layout.shape)
+
+    def _copy(self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        local = self.local_pool.tensor
+        local_stream, remote_stream = self._stream(local.device), self._stream(remote.device)
+        # Earlier work on the local pool (e.g. a copy-on-write) lands before ours.
+        local_stream.wait_stream(torch.cuda.current_stream(local.device))
+        with torch.cuda.stream(local_stream), torch.cuda.stream(remote_stream):
+            src = torch.tensor(src_block_ids, dtype=torch.long, device=remote.device)
+            dst = torch.tensor(dst_block_ids, dtype=torch.long, device=local.device)
+            blocks = remote.index_select(2, src)  # [num_layers, 2, len(src), block_size, kv_heads, head_dim]
+            blocks = blocks.to(local.device, non_blocking=True)  # peer copy when the GPUs differ
+            local.index_copy_(2, dst, blocks)
+            done = torch.cuda.Event()
+            done.record(local_stream)
+        done.synchronize()
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+
+def _device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _local_index(descriptor: dict[str, Any]) -> int:
+    """This process's index of the source's GPU, found by UUID."""
+    uuid = descriptor_field(descriptor, "device_uuid", str)
+    torch.cuda.init()
+    for index in range(torch.cuda.device_count()):
+        if _device_uuid(index) == uuid:
+            return index
+    raise KVTransferError(f"the prefill pool's GPU {uuid} is not visible here (CUDA_VISIBLE_DEVICES?)")
+
+
+def _open_storage(descriptor: dict[str, Any], device: int) -> torch.UntypedStorage:
+    """rebuild_cuda_tensor's steps: map the IPC handle (waiting on the source's event when required)."""
+    fields = [
+        ("handle", bytes),
+        ("storage_nbytes", int),
+        ("storage_offset", int),
+        ("ref_counter_handle", bytes),
+        ("ref_counter_offset", int),
+        ("event_handle", bytes),
+        ("event_sync_required", bool),
+    ]
+    args = [descriptor_field(descriptor, name, kind) for name, kind in fields]
+    try:
+        return torch.UntypedStorage._new_shared_cuda(device, *args)
+    except RuntimeError as exc:
+        raise KVTransferError(f"cannot open the CUDA IPC handle: {exc}") from exc

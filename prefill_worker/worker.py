@@ -1,0 +1,181 @@
+"""Prefill worker: batches prompts, samples the first token, leases the blocks to a decode worker."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+import torch
+import zmq
+
+from core import ipc
+from core.config import EngineConfig
+from core.engine import Engine, RequestOutput
+from core.errors import InvalidRequestError
+from core.messages import (
+    AbortCmd,
+    DecodeWorkerLostCmd,
+    GenerateCmd,
+    HandoffCmd,
+    HandshakeCmd,
+    HandshakeEvent,
+    Message,
+    MessageError,
+    ReleaseCmd,
+    RequestErrorEvent,
+    Timings,
+    TokenEvent,
+    decode,
+    encode,
+    params_to_sampling,
+    sampling_to_params,
+)
+from core.worker_base import WorkerBase
+from kvtransfer.base import KVTransferSource, make_source
+from kvtransfer.layout import KVLayout, LayoutMismatchError, check_compatible
+from kvtransfer.lease import LeaseTable
+from kvtransfer.pool import KVPool, allocate_kv_pool
+
+log = logging.getLogger(__name__)
+
+
+class _Pending(NamedTuple):
+    decode_worker: int
+    arrival: float
+    prefill_start: float
+
+
+class PrefillWorker(WorkerBase):
+    """One prefill process. Requests arrive as GenerateCmd; each leaves as a TokenEvent (first token) to the
+    router plus a HandoffCmd to its decode worker, whose ReleaseCmd gives the blocks back."""
+
+    role = "prefill"
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        worker_id: int,
+        run_dir: str,
+        num_decode: int,
+        transport: str,
+        heartbeat_interval: float = 0.25,
+        lease_ttl: float = 30.0,
+    ) -> None:
+        super().__init__(worker_id, run_dir, ipc.prefill_addr(run_dir, worker_id), heartbeat_interval)
+        self.transport = transport
+        self.lease_ttl = lease_ttl
+        self.cfg = cfg
+        self.kv_pool: KVPool | None = None
+        self.engine = Engine(cfg, kv_allocator=self._allocate_pool)
+        self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
+        assert self.kv_pool is not None
+        self.source: KVTransferSource = make_source(transport, self.kv_pool)
+        self.leases: LeaseTable = LeaseTable()
+        self.handshake = self.ctx.socket(zmq.REP)
+        self.handshake.setsockopt(zmq.LINGER, 0)
+        self.handshake.bind(ipc.handshake_addr(run_dir, worker_id))
+        self.poller.register(self.handshake, zmq.POLLIN)
+        self.to_decode: list[zmq.Socket] = [
+            ipc.connect_push(self.ctx, ipc.decode_addr(run_dir, j)) for j in range(num_decode)
+        ]
+        self.pending: dict[str, _Pending] = {}
+
+    def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
+        layout = KVLayout.from_engine_config(self.cfg, num_blocks)
+        self.kv_pool = allocate_kv_pool(layout, torch.device(self.cfg.device), shared=self.transport == "shm")
+        return self.kv_pool.tensor
+
+    def counters(self) -> dict[str, int]:
+        return {**super().counters(), "leased_blocks": self.leases.num_leased_blocks, "leases": len(self.leases)}
+
+    # --- messages -------------------------------------------------------------------------------------
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, GenerateCmd):
+            self._generate(msg)
+        elif isinstance(msg, ReleaseCmd):
+            for lease_id in msg.lease_ids:
+                self.engine.release_blocks(self.leases.release([lease_id]))
+        elif isinstance(msg, AbortCmd):
+            if self.pending.pop(msg.request_id, None) is not None:
+                self.engine.abort(msg.request_id)
+        elif isinstance(msg, DecodeWorkerLostCmd):
+            self.engine.release_blocks(self.leases.reclaim(msg.decode_worker))
+        else:
+            log.warning("prefill worker ignores %s", type(msg).__name__)
+
+    def _generate(self, cmd: GenerateCmd) -> None:
+        try:
+            self.engine.add_request(cmd.request_id, cmd.token_ids, sampling_to_params(cmd.sampling))
+        except InvalidRequestError as exc:
+            ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "INVALID_ARGUMENT", str(exc)))
+            return
+        self.pending[cmd.request_id] = _Pending(cmd.decode_worker, cmd.timings.arrival, time.time())
+
+    def handle_socket(self, sock: zmq.Socket) -> None:
+        frame = sock.recv()
+        try:
+            msg = decode(frame)
+            if not isinstance(msg, HandshakeCmd):
+                raise MessageError(f"expected a handshake, got {type(msg).__name__}")
+            check_compatible(self.layout.fingerprint(), msg.fingerprint)
+            reply = HandshakeEvent(ok=True, descriptor=self.source.descriptor(), pool_id=self.incarnation)
+        except (MessageError, LayoutMismatchError) as exc:
+            log.error("refused a handshake: %s", exc)
+            reply = HandshakeEvent(ok=False, error=str(exc))
+        sock.send(encode(reply))
+
+    # --- engine ---------------------------------------------------------------------------------------
+    def step_engine(self) -> None:
+        for out in self.engine.step():
+            self._first_token(out)
+
+    def after_step(self) -> None:
+        expired = self.leases.expire(time.monotonic())
+        if expired:
+            log.warning("reclaimed %d blocks of expired leases", len(expired))
+            self.engine.release_blocks(expired)
+
+    def _first_token(self, out: RequestOutput) -> None:
+        cmd = self.pending.pop(out.request_id)
+        now = time.time()
+        timings = Timings(arrival=cmd.arrival, prefill_start=cmd.prefill_start, prefill_end=now, first_token=now)
+        ipc.send(
+            self.to_router,
+            TokenEvent(
+                out.request_id,
+                0,
+                out.new_token_ids,
+                out.finish_reason,
+                out.num_prompt_tokens,
+                out.num_cached_tokens,
+                timings,
+            ),
+        )
+        if out.finished:
+            return
+        req = self.engine.detach(out.request_id)
+        lease_id = self.leases.grant(req.request_id, cmd.decode_worker, req.block_ids, time.monotonic(), self.lease_ttl)
+        handoff = HandoffCmd(
+            request_id=req.request_id,
+            prefill_worker=self.worker_id,
+            pool_id=self.incarnation,
+            lease_id=lease_id,
+            block_ids=req.block_ids,
+            token_ids=req.token_ids,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            sampling=params_to_sampling(req.sampling.params, req.sampling.num_generated),
+            timings=timings,
+        )
+        if not ipc.send(self.to_decode[cmd.decode_worker], handoff):
+            self.engine.release_blocks(self.leases.release([lease_id]))
+            ipc.send(
+                self.to_router,
+                RequestErrorEvent(req.request_id, "UNAVAILABLE", f"decode worker {cmd.decode_worker} is not reachable"),
+            )
+
+    def close(self) -> None:
+        super().close()
+        if self.kv_pool is not None:
+            self.kv_pool.close()

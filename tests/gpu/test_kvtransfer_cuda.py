@@ -1,0 +1,114 @@
+"""The cuda_ipc transport: a sink in another process (spawned) maps the source's pool by CUDA IPC handle
+and pulls exact blocks, on the same GPU and, with two GPUs, across them; mismatched layouts are refused."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import traceback
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from core.messages import HandshakeEvent, decode, encode
+from kvtransfer.base import make_sink, make_source
+from kvtransfer.layout import KVLayout, LayoutMismatchError
+from kvtransfer.pool import KVPool, allocate_kv_pool
+
+pytestmark = pytest.mark.gpu
+LAYOUT = KVLayout(
+    model="tiny", dtype="float32", block_size=16, num_layers=4, num_kv_heads=2, head_dim=64, num_blocks=64
+)
+SINK_BLOCKS = 40
+SRC = [63, 3, 17, 8, 0, 22, 41]
+DST = [1, 39, 5, 6, 12, 2, 30]
+TIMEOUT_S = 120
+
+
+def _sink_main(handshake_frame: bytes, device: str, conn: Connection) -> None:
+    """Spawned: decode the HandshakeEvent frame, open its descriptor, pull SRC into DST of a fresh pool on
+    device, send that pool back."""
+    try:
+        reply = decode(handshake_frame)
+        assert isinstance(reply, HandshakeEvent)
+        desc = reply.descriptor
+        layout = KVLayout(**desc["fingerprint"], num_blocks=SINK_BLOCKS)
+        local = allocate_kv_pool(layout, device, shared=False)
+        sink = make_sink("cuda_ipc", local, layout)
+        sink.open(0, desc, layout.fingerprint())
+        sink.pull(0, SRC, DST)
+        pulled = local.tensor.float().cpu().numpy()
+        sink.close_all()
+        conn.send(("ok", pulled))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def run_sink(desc: dict[str, Any], device: str) -> np.ndarray:
+    ctx = mp.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    frame = encode(HandshakeEvent(ok=True, pool_id="p", descriptor=desc))  # the descriptor's real wire trip
+    proc = ctx.Process(target=_sink_main, args=(frame, device, send), daemon=True)
+    proc.start()
+    send.close()
+    try:
+        if not recv.poll(TIMEOUT_S):
+            pytest.fail(f"sink process sent nothing in {TIMEOUT_S} s")
+        status, payload = recv.recv()
+    finally:
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert status == "ok", payload
+    return payload  # type: ignore[no-any-return]
+
+
+def filled_source(layout: KVLayout, device: str) -> KVPool:
+    pool = allocate_kv_pool(layout, device, shared=False)
+    gen = torch.Generator(device=device).manual_seed(0)
+    pool.tensor.copy_(torch.randn(layout.shape, generator=gen, device=device).to(layout.torch_dtype))
+    torch.cuda.synchronize(device)  # NOTE: a source announces blocks only once they are written
+    return pool
+
+
+def check_pull(dtype: str, source_device: str, sink_device: str) -> None:
+    source = filled_source(replace(LAYOUT, dtype=dtype), source_device)
+    pulled = torch.from_numpy(run_sink(make_source("cuda_ipc", source).descriptor(), sink_device))
+    expected = source.tensor.float().cpu()
+    assert torch.equal(pulled[:, :, DST], expected[:, :, SRC])
+    untouched = [b for b in range(SINK_BLOCKS) if b not in DST]
+    assert not pulled[:, :, untouched].any()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pull_across_processes_on_one_gpu(dtype: str) -> None:
+    check_pull(dtype, "cuda:0", "cuda:0")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pull_from_another_gpu(dtype: str) -> None:
+    check_pull(dtype, "cuda:0", "cuda:1")
+
+
+def test_descriptor_is_plain_values() -> None:
+    desc = make_source("cuda_ipc", allocate_kv_pool(LAYOUT, "cuda:0", shared=False)).descriptor()
+    assert desc["transport"] == "cuda_ipc" and desc["shape"] == list(LAYOUT.shape)
+    assert desc["device_uuid"] == str(torch.cuda.get_device_properties(0).uuid)
+    assert isinstance(desc["handle"], bytes) and isinstance(desc["event_sync_required"], bool)
+    # NOTE: this export is never opened, so torch keeps its IPC reference until exit and may warn there.
+
+
+def test_mismatching_fingerprint_is_refused_before_mapping() -> None:
+    desc = {"transport": "cuda_ipc", "fingerprint": LAYOUT.fingerprint()}  # no handle: never reached
+    other = replace(LAYOUT, dtype="bfloat16", num_blocks=SINK_BLOCKS)
+    sink = make_sink("cuda_ipc", allocate_kv_pool(other, "cuda:0", shared=False), other)
+    with pytest.raises(LayoutMismatchError, match="dtype bfloat16 != float32"):
+        sink.open(0, desc)
+    assert not sink.is_open(0)
