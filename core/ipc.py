@@ -49,14 +49,26 @@ def connect_push(ctx: zmq.Context, addr: str) -> zmq.Socket:
     sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 10_000)
+    sock.setsockopt(zmq.RECONNECT_IVL, 20)
     sock.connect(addr)
     return sock
 
 
-def send(sock: zmq.Socket, msg: Message) -> bool:
-    """Non-blocking send; False when no live peer can take it."""
+def send(sock: zmq.Socket, msg: Message, wait_ms: int = 200) -> bool:
+    """Send without queueing for a dead peer; False when no live peer takes it within wait_ms.
+
+    NOTE: the short wait covers a peer that just (re)started and whose connection is still being made.
+    """
+    frame = encode(msg)
     try:
-        sock.send(encode(msg), flags=zmq.NOBLOCK)
+        sock.send(frame, flags=zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        pass
+    if not sock.poll(wait_ms, zmq.POLLOUT):
+        return False
+    try:
+        sock.send(frame, flags=zmq.NOBLOCK)
         return True
     except zmq.Again:
         return False

@@ -147,7 +147,7 @@ class DecodeWorker(WorkerBase):
         reply = self._handshake(prefill_worker)
         if not reply.ok:
             raise RuntimeError(f"prefill worker {prefill_worker} refused the handshake: {reply.error}")
-        self.sink.open(prefill_worker, reply.descriptor, self.layout.fingerprint())
+        self.sink.open(prefill_worker, reply.descriptor)  # NOTE: checks the descriptor's layout against ours
         self.peers[prefill_worker] = reply.pool_id
 
     def _handshake(self, prefill_worker: int) -> HandshakeEvent:

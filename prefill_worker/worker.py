@@ -35,7 +35,7 @@ from core.worker_base import WorkerBase
 from kvtransfer.base import KVTransferSource, make_source
 from kvtransfer.layout import KVLayout, LayoutMismatchError, check_compatible
 from kvtransfer.lease import LeaseTable
-from kvtransfer.pool import KVPool, allocate_kv_pool
+from kvtransfer.pool import KVPool, allocate_kv_pool, remove_stale_segments
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,9 @@ class PrefillWorker(WorkerBase):
         self.transport = transport
         self.lease_ttl = lease_ttl
         self.cfg = cfg
+        if transport == "shm":
+            for name in remove_stale_segments():
+                log.info("removed a stale KV segment %s", name)
         self.kv_pool: KVPool | None = None
         self.engine = Engine(cfg, kv_allocator=self._allocate_pool)
         self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)

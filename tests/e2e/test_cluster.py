@@ -58,6 +58,14 @@ def engine_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     return engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
 
 
+def serves(cluster: Cluster) -> bool:
+    """One small request completes (False on any gRPC error)."""
+    try:
+        return len(tokens_of(asyncio.run(stream(cluster.address, greedy_request([4, 5, 6], max_tokens=3))))) == 3
+    except grpc.aio.AioRpcError:
+        return False
+
+
 def wait_blocks_returned(cluster: Cluster, prefill: int = 1, decode: int = 1, timeout: float = 5.0) -> float:
     def all_free() -> bool:
         stats = [cluster.stats("prefill", i) for i in range(prefill)]
@@ -145,27 +153,35 @@ def test_bad_input_is_invalid_argument(cluster: Cluster, prompt: list[int], samp
 
 def test_decode_crash_fails_streams_and_recovers(cluster: Cluster) -> None:
     prompts = random_prompts(1024, (20, 30, 25, 35), seed=34)
+    started = asyncio.Event
 
-    async def run_and_kill() -> list[BaseException | list[pb.GenerateResponse]]:
+    async def one(req: pb.GenerateRequest, first: asyncio.Event) -> int:
+        async with grpc.aio.insecure_channel(cluster.address) as channel:
+            seen = 0
+            async for _ in pb_grpc.GenerationStub(channel).Generate(req):
+                seen += 1
+                if seen == 2:
+                    first.set()  # the decode worker holds this stream now
+            return seen
+
+    async def run_and_kill() -> tuple[list[BaseException | int], float]:
+        events = [started() for _ in prompts]
         tasks = [
-            asyncio.create_task(stream(cluster.address, greedy_request(p, max_tokens=5000 // 20))) for p in prompts
+            asyncio.create_task(one(greedy_request(p, max_tokens=450), e)) for p, e in zip(prompts, events, strict=True)
         ]
-        await asyncio.sleep(1.0)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)
         os.kill(cluster.pid("decode-0"), signal.SIGKILL)
         killed_at = time.monotonic()
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        assert time.monotonic() - killed_at < 5.0
-        return results
+        return results, time.monotonic() - killed_at
 
-    results = asyncio.run(run_and_kill())
-    failed = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
-    assert failed and all(r.code() == grpc.StatusCode.UNAVAILABLE for r in failed)
+    results, took = asyncio.run(run_and_kill())
+    assert took < 5.0
+    assert all(isinstance(r, grpc.aio.AioRpcError) and r.code() == grpc.StatusCode.UNAVAILABLE for r in results), (
+        results
+    )
     cluster.wait_for(lambda: cluster.status()["roles"][2]["restarts"] >= 1, 10.0, "decode-0 restarted")
     cluster.wait_for(lambda: cluster.stats("prefill", 0)["counters"]["leased_blocks"] == 0, 10.0, "leases reclaimed")
-    ok = cluster.wait_for(
-        lambda: len(tokens_of(asyncio.run(stream(cluster.address, greedy_request([4, 5, 6], max_tokens=3))))) == 3,
-        30.0,
-        "a new request to succeed after the restart",
-    )
-    assert ok < 30.0
+    back = cluster.wait_for(lambda: serves(cluster), 10.0, "a new request to succeed after the restart")
+    assert back < 10.0
     wait_blocks_returned(cluster)

@@ -1,0 +1,34 @@
+"""The router process's settings (one frozen dataclass, filled from the command line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Where the router listens, which workers it expects and how it judges them alive."""
+
+    model_dir: str
+    """Model folder: config.json, tokenizer.json and the chat template."""
+    run_dir: str
+    """The cluster's run directory, home of every ipc socket (core/ipc.py)."""
+    num_prefill: int = 1
+    """Prefill workers 0..num_prefill-1."""
+    num_decode: int = 1
+    """Decode workers 0..num_decode-1."""
+    port: int = 50051
+    """gRPC port; 0 picks a free one (the ready line names it)."""
+    bind: str = "127.0.0.1"
+    """gRPC host to listen on."""
+    heartbeat_timeout: float = 2.0
+    """A worker with no heartbeat for this many seconds is down."""
+    block_size: int | None = None
+    """KV block size of the workers, reported by GetModelInfo when known."""
+    grace_s: float = 5.0
+    """On SIGTERM, streams in flight get this long to finish."""
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.bind}]" if ":" in self.bind else self.bind
+        return f"{host}:{self.port}"

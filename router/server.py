@@ -1,0 +1,180 @@
+"""The router's gRPC server: pdserve.v1.Generation, plus grpc.health.v1 (SERVING while at least one prefill
+and one decode worker are up) and server reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from core.messages import MAX_MESSAGE_BYTES, RequestErrorEvent
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+from router.dispatch import NoWorkerError
+from router.model_info import ModelSpec
+from router.requests import DuplicateRequestError, TrackedRequest
+from router.stream import ResponseBuilder, TokenReorderer
+from router.tokenizer import RouterTokenizer
+from router.validation import RequestValidator, ValidationError
+from router.workers import WorkerHub
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+READY_LINE = "pdserve router ready on {address}"
+REFUSALS: dict[type[Exception], grpc.StatusCode] = {
+    ValidationError: grpc.StatusCode.INVALID_ARGUMENT,
+    DuplicateRequestError: grpc.StatusCode.ALREADY_EXISTS,
+    NoWorkerError: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """Validates, dispatches through the WorkerHub and streams each request's tokens back."""
+
+    def __init__(self, model: ModelSpec, tokenizer: RouterTokenizer, hub: WorkerHub, block_size: int | None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.validator = RequestValidator(model, tokenizer)
+        self.hub = hub
+        self.block_size = block_size
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        m = self.model
+        info = pb.ModelInfo(
+            model_name=m.name, vocab_size=m.vocab_size, max_model_len=m.max_model_len, eos_token_ids=m.eos_token_ids
+        )
+        if self.block_size is not None:
+            info.block_size = self.block_size
+        return info
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        arrival = time.time()
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            # NOTE: tokenizing a long text or rendering a template must not stall the other streams.
+            valid = await asyncio.to_thread(self.validator.validate, request)
+            req = self.hub.submit(request_id, valid.token_ids, valid.sampling, arrival)
+        except (ValidationError, DuplicateRequestError, NoWorkerError) as exc:
+            await context.abort(REFUSALS[type(exc)], str(exc))
+            return
+        builder = ResponseBuilder(request_id, valid.token_ids, valid.sampling, valid.stop, self.tokenizer, arrival)
+        try:
+            async for response in self._stream(req, builder, context):
+                yield response
+        finally:
+            # NOTE: runs on client cancel, errors and stop strings alike: workers free what they hold.
+            if not builder.worker_finished:
+                self.hub.abort(req)
+            self.hub.release(request_id)
+
+    async def _stream(
+        self, req: TrackedRequest, builder: ResponseBuilder, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        reorderer = TokenReorderer()
+        while not builder.finished:
+            item = await req.inbox.get()
+            if isinstance(item, RequestErrorEvent):
+                await context.abort(_status_code(item.code), item.message)
+                return
+            for event in reorderer.push(item):
+                yield builder.build(event, time.time())
+                if builder.finished:
+                    return
+
+
+class RouterServer:
+    """The gRPC server and the WorkerHub of one router process. Create it inside the running event loop."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        model = ModelSpec.from_dir(cfg.model_dir)
+        tokenizer = RouterTokenizer.from_dir(cfg.model_dir)
+        self.hub = WorkerHub(cfg)
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        self.server = grpc.aio.server(options=options)
+        servicer = GenerationServicer(model, tokenizer, self.hub, cfg.block_size)
+        pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        services = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(services, self.server)
+        self._health_tasks: set[asyncio.Task[None]] = set()
+        self.hub.listeners.append(self._set_health)
+        self.port = 0
+
+    async def start(self) -> int:
+        """Listen (port 0 picks one) and start talking to the workers; the port."""
+        self.port = self.server.add_insecure_port(self.cfg.address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.cfg.address}")
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        self.hub.start()
+        return self.port
+
+    @property
+    def address(self) -> str:
+        """host:port actually listened on."""
+        return dataclasses.replace(self.cfg, port=self.port).address
+
+    async def wait_ready(self) -> None:
+        """Until at least one prefill and one decode worker have sent a heartbeat."""
+        await self.hub.serving.wait()
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Refuse new calls, let streams in flight finish within `grace` seconds, then close the sockets."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+        await self.hub.close()
+
+    def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", SERVICE_NAME):
+            task = asyncio.create_task(self.health.set(service, status))
+            self._health_tasks.add(task)
+            task.add_done_callback(self._health_tasks.discard)
+
+
+class StartupError(RuntimeError):
+    """The router cannot start (bad model folder, port in use, ...)."""
+
+
+async def serve(cfg: RouterConfig) -> None:
+    """Run the router until SIGTERM / SIGINT; print the ready line once workers of both roles are up."""
+    try:
+        router = RouterServer(cfg)
+        await router.start()
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise StartupError(str(exc)) from exc
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    announce = asyncio.create_task(_announce(router))
+    await stop.wait()
+    log.info("stopping (grace %.1fs)", cfg.grace_s)
+    announce.cancel()
+    await router.stop(cfg.grace_s)
+
+
+async def _announce(router: RouterServer) -> None:
+    await router.wait_ready()
+    print(READY_LINE.format(address=router.address), flush=True)
+
+
+def _status_code(name: str) -> grpc.StatusCode:
+    """A worker's gRPC status name; INTERNAL for OK or a name gRPC does not have."""
+    code = getattr(grpc.StatusCode, name, None)
+    return code if isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.OK else grpc.StatusCode.INTERNAL

@@ -1,0 +1,138 @@
+"""One request's output: TokenEvents from two workers put in order, then turned into GenerateResponses with
+text deltas, stop strings, usage and timings."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from core.messages import Sampling, Timings, TokenEvent
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from router.tokenizer import RouterTokenizer, StopStringMatcher
+
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+
+
+class TokenReorderer:
+    """Orders one request's TokenEvents by `index` (the prefill worker sends index 0, the decode worker the
+    rest, on different paths): each token comes out exactly once, in order; duplicates are dropped."""
+
+    def __init__(self) -> None:
+        self.next_index = 0
+        self.pending: dict[int, TokenEvent] = {}
+        self.finished = False
+
+    def push(self, event: TokenEvent) -> list[TokenEvent]:
+        """The events (trimmed to their new tokens) that are now in order; [] while a gap remains."""
+        if self.finished or event.index + len(event.token_ids) < self.next_index:
+            return []
+        held = self.pending.get(event.index)
+        if held is None or len(event.token_ids) > len(held.token_ids):
+            self.pending[event.index] = event
+        out: list[TokenEvent] = []
+        while not self.finished:
+            ready = sorted(i for i in self.pending if i <= self.next_index)
+            if not ready:
+                break
+            for index in ready:
+                self._release(self.pending.pop(index), out)
+        return out
+
+    def _release(self, event: TokenEvent, out: list[TokenEvent]) -> None:
+        if self.finished:
+            return
+        skip = self.next_index - event.index
+        new = event.token_ids[skip:]
+        # NOTE: an event with no tokens is only meaningful as a finish marker at the current index.
+        if new or (skip == 0 and event.finish_reason is not None):
+            out.append(dataclasses.replace(event, index=self.next_index, token_ids=list(new)))
+            self.next_index += len(new)
+            self.finished = event.finish_reason is not None
+
+
+class ResponseBuilder:
+    """Turns in-order TokenEvents into responses: text deltas, stop strings, and on the last one the finish
+    reason, usage and timings."""
+
+    def __init__(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: Sampling, stop: Sequence[str],
+        tokenizer: RouterTokenizer, arrival: float,
+    ) -> None:  # fmt: skip
+        self.request_id = request_id
+        self.detokenizer = tokenizer.detokenizer(prompt_ids)
+        self.matcher = StopStringMatcher(stop)
+        self.min_tokens = sampling.min_tokens
+        self.num_prompt_tokens = len(prompt_ids)
+        self.num_cached_tokens = 0
+        self.num_generated = 0
+        self.arrival = arrival
+        self.worker_timings = Timings()
+        self.decode_first_seen = 0.0
+        self.finish_reason: pb.FinishReason = pb.FINISH_REASON_UNSPECIFIED
+        self.worker_finished = False
+        """The worker ended the request itself (no AbortCmd needed)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+
+    def build(self, event: TokenEvent, now: float) -> pb.GenerateResponse:
+        """The response for one in-order event; `now` is when the router received it (epoch seconds)."""
+        self._record(event, now)
+        token_ids: list[int] = []
+        text: list[str] = []
+        for token_id in event.token_ids:
+            token_ids.append(token_id)
+            self.num_generated += 1
+            text.append(self._visible(self.detokenizer.step(token_id)))
+            if self.matcher.stopped:
+                self.finish_reason = pb.FINISH_REASON_STOP
+                break
+        if not self.finished and event.finish_reason is not None:
+            self.worker_finished = True
+            text.append(self._visible(self.detokenizer.flush()))
+            text.append(self.matcher.flush())
+            reason = FINISH_REASONS.get(event.finish_reason, pb.FINISH_REASON_ABORT)
+            self.finish_reason = pb.FINISH_REASON_STOP if self.matcher.stopped else reason
+        response = pb.GenerateResponse(token_ids=token_ids, text="".join(text), request_id=self.request_id)
+        if self.finished:
+            response.finish_reason = self.finish_reason
+            response.usage.CopyFrom(self.usage())
+            response.timings.CopyFrom(self.timings())
+        return response
+
+    def _visible(self, delta: str) -> str:
+        # NOTE: like stop token ids, stop strings only count once min_tokens tokens exist.
+        return delta if self.num_generated <= self.min_tokens else self.matcher.feed(delta)
+
+    def _record(self, event: TokenEvent, now: float) -> None:
+        if event.timings is not None:
+            self.worker_timings = event.timings
+        if event.index == 0 or event.num_cached_tokens:
+            self.num_cached_tokens = max(self.num_cached_tokens, event.num_cached_tokens)
+        if event.index > 0 and not self.decode_first_seen:
+            self.decode_first_seen = now
+
+    def usage(self) -> pb.Usage:
+        return pb.Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_generated,
+            cached_prompt_tokens=self.num_cached_tokens,
+        )
+
+    def timings(self) -> pb.Timings:
+        """From the workers' clocks; handoff ends when the decode worker says so, or else (the workers do not
+        report it) when its first token reached the router."""
+        t = self.worker_timings
+        arrival = t.arrival or self.arrival
+        handoff_end = t.handoff_end or self.decode_first_seen
+        return pb.Timings(
+            queue_ms=_ms(arrival, t.prefill_start),
+            prefill_ms=_ms(t.prefill_start, t.prefill_end),
+            handoff_ms=_ms(t.prefill_end, handoff_end),
+            first_token_ms=_ms(arrival, t.first_token),
+        )
+
+
+def _ms(start: float, end: float) -> float:
+    return max(0.0, (end - start) * 1000.0) if start and end else 0.0

@@ -1,0 +1,244 @@
+"""The router's ZeroMQ side: one PULL inbox for every worker's events, one PUSH socket per worker, and worker
+liveness from heartbeats.
+
+Sockets (core/ipc.py): the router binds ipc://{run_dir}/router.sock (PULL); worker i binds prefill-{i}.sock and
+decode worker j binds decode-{j}.sock, which the router connects PUSH sockets to. A worker is up from its
+first heartbeat and down after `heartbeat_timeout` seconds without one, or when its incarnation changes (it
+restarted). Losing a decode worker fails every request assigned to it and tells every prefill worker to
+reclaim its leases; losing a prefill worker fails the requests that have not produced a token yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import zmq
+import zmq.asyncio
+
+from core import ipc
+from core.messages import (
+    MAX_MESSAGE_BYTES,
+    AbortCmd,
+    DecodeWorkerLostCmd,
+    GenerateCmd,
+    HeartbeatEvent,
+    Message,
+    MessageError,
+    RequestErrorEvent,
+    Sampling,
+    Timings,
+    TokenEvent,
+    decode,
+)
+from router.config import RouterConfig
+from router.dispatch import NoWorkerError, assign
+from router.requests import DuplicateRequestError, RequestTable, TrackedRequest
+
+log = logging.getLogger(__name__)
+Role = Literal["prefill", "decode"]
+ChangeKind = Literal["up", "down", "restarted"]
+
+
+@dataclass
+class WorkerState:
+    """What the router last heard from one worker."""
+
+    role: Role
+    worker_id: int
+    up: bool = False
+    incarnation: str = ""
+    last_seen: float = 0.0
+    num_free_blocks: int = 0
+
+
+class Change(NamedTuple):
+    role: Role
+    worker_id: int
+    kind: ChangeKind
+
+
+class Liveness:
+    """Up/down state of every expected worker, driven by heartbeats and a clock."""
+
+    def __init__(self, num_prefill: int, num_decode: int, timeout: float) -> None:
+        self.timeout = timeout
+        self.workers: dict[Role, list[WorkerState]] = {
+            "prefill": [WorkerState("prefill", i) for i in range(num_prefill)],
+            "decode": [WorkerState("decode", j) for j in range(num_decode)],
+        }
+
+    def observe(self, hb: HeartbeatEvent, now: float) -> list[Change]:
+        """Record a heartbeat; ValueError for a role or worker id this cluster does not have."""
+        states = self.workers.get(hb.role)  # type: ignore[call-overload]
+        if states is None or not 0 <= hb.worker_id < len(states):
+            raise ValueError(f"heartbeat from unknown worker {hb.role!r} {hb.worker_id}")
+        st: WorkerState = states[hb.worker_id]
+        changes = []
+        if not st.up:
+            changes.append(Change(st.role, st.worker_id, "up"))
+        elif st.incarnation != hb.incarnation:
+            changes.append(Change(st.role, st.worker_id, "restarted"))
+        st.up, st.incarnation, st.last_seen, st.num_free_blocks = True, hb.incarnation, now, hb.num_free_blocks
+        return changes
+
+    def expire(self, now: float) -> list[Change]:
+        """Mark down every up worker silent for longer than the timeout."""
+        changes = []
+        for st in self.all_workers():
+            if st.up and now - st.last_seen > self.timeout:
+                st.up = False
+                changes.append(Change(st.role, st.worker_id, "down"))
+        return changes
+
+    def all_workers(self) -> list[WorkerState]:
+        return self.workers["prefill"] + self.workers["decode"]
+
+    def up(self, role: Role) -> list[int]:
+        return [st.worker_id for st in self.workers[role] if st.up]
+
+    def free_blocks(self, role: Role) -> dict[int, int]:
+        return {st.worker_id: st.num_free_blocks for st in self.workers[role]}
+
+    @property
+    def serving(self) -> bool:
+        """At least one prefill and one decode worker are up."""
+        return bool(self.up("prefill")) and bool(self.up("decode"))
+
+
+class WorkerHub:
+    """Owns the sockets, the liveness table and the in-flight request table. NOTE: event-loop thread only."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        self.actx = zmq.asyncio.Context.shadow(self.ctx)
+        self.inbox = _bind_pull(self.actx, ipc.router_addr(cfg.run_dir))
+        self.to_prefill = [ipc.connect_push(self.ctx, ipc.prefill_addr(cfg.run_dir, i)) for i in range(cfg.num_prefill)]
+        self.to_decode = [ipc.connect_push(self.ctx, ipc.decode_addr(cfg.run_dir, j)) for j in range(cfg.num_decode)]
+        self.liveness = Liveness(cfg.num_prefill, cfg.num_decode, cfg.heartbeat_timeout)
+        self.table = RequestTable()
+        self.serving = asyncio.Event()
+        self.listeners: list[Callable[[bool], None]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self.closed = False
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+
+    async def close(self) -> None:
+        self.closed = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.inbox.close(linger=0)
+        self.ctx.destroy(linger=0)
+
+    # --- requests -------------------------------------------------------------------------------------
+    def submit(self, request_id: str, token_ids: list[int], sampling: Sampling, arrival: float) -> TrackedRequest:
+        """Pick the workers and send GenerateCmd; DuplicateRequestError / NoWorkerError when that is impossible."""
+        if request_id in self.table:
+            raise DuplicateRequestError(request_id)
+        live = self.liveness
+        workers = assign(
+            live.up("prefill"), live.up("decode"),
+            self.table.num_at_prefill, self.table.num_at_decode, live.free_blocks("decode"),
+        )  # fmt: skip
+        req = self.table.open(request_id, *workers)
+        cmd = GenerateCmd(request_id, token_ids, sampling, workers.decode_worker, Timings(arrival=arrival))
+        if not ipc.send(self.to_prefill[workers.prefill_worker], cmd):
+            self.table.close(request_id)
+            raise NoWorkerError(f"prefill worker {workers.prefill_worker} is not reachable")
+        return req
+
+    def abort(self, req: TrackedRequest) -> None:
+        """Tell both workers of req to drop it (harmless if either already has)."""
+        if self.closed:  # NOTE: streams cancelled at shutdown finish after the sockets are gone
+            return
+        ipc.send(self.to_prefill[req.prefill_worker], AbortCmd(req.request_id))
+        ipc.send(self.to_decode[req.decode_worker], AbortCmd(req.request_id))
+
+    def release(self, request_id: str) -> None:
+        self.table.close(request_id)
+
+    # --- inbox ----------------------------------------------------------------------------------------
+    async def _receive(self) -> None:
+        while True:
+            frames = await self.inbox.recv_multipart()
+            if len(frames) != 1:
+                log.warning("dropped a %d-part message (expected 1)", len(frames))
+                continue
+            try:
+                self.handle(decode(frames[0]))
+            except MessageError as exc:
+                log.warning("dropped a bad frame: %s", exc)
+            except Exception:  # NOTE: one bad message must not take the router down
+                log.exception("failed to handle a worker message")
+
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, HeartbeatEvent):
+            self._heartbeat(msg)
+        elif isinstance(msg, (TokenEvent, RequestErrorEvent)):
+            req = self.table.get(msg.request_id)
+            if req is None:
+                log.debug("dropped %s for unknown request %s", type(msg).__name__, msg.request_id)
+                return
+            if isinstance(msg, TokenEvent):
+                self.table.mark_past_prefill(req)
+            req.inbox.put_nowait(msg)
+        else:
+            log.warning("router ignores %s", type(msg).__name__)
+
+    def _heartbeat(self, hb: HeartbeatEvent) -> None:
+        try:
+            changes = self.liveness.observe(hb, time.monotonic())
+        except ValueError as exc:
+            log.warning("dropped a heartbeat: %s", exc)
+            return
+        self._apply(changes)
+
+    # --- liveness -------------------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        interval = min(0.1, self.cfg.heartbeat_timeout / 4)
+        while True:
+            await asyncio.sleep(interval)
+            self._apply(self.liveness.expire(time.monotonic()))
+
+    def _apply(self, changes: list[Change]) -> None:
+        for change in changes:
+            log.info("%s worker %d is %s", change.role, change.worker_id, change.kind)
+            if change.kind != "up":
+                self._lost(change.role, change.worker_id, "went down" if change.kind == "down" else "restarted")
+        serving = self.liveness.serving
+        if serving != self.serving.is_set():
+            log.info("router is %s", "serving" if serving else "not serving")
+            if serving:
+                self.serving.set()
+            else:
+                self.serving.clear()
+            for listener in self.listeners:
+                listener(serving)
+
+    def _lost(self, role: Role, worker: int, what: str) -> None:
+        reqs = self.table.at_decode(worker) if role == "decode" else self.table.at_prefill(worker)
+        for req in reqs:
+            req.inbox.put_nowait(RequestErrorEvent(req.request_id, "UNAVAILABLE", f"{role} worker {worker} {what}"))
+        if role == "decode":
+            for sock in self.to_prefill:
+                ipc.send(sock, DecodeWorkerLostCmd(worker))
+
+
+def _bind_pull(ctx: zmq.asyncio.Context, addr: str) -> zmq.asyncio.Socket:
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(addr)
+    return sock

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Starts a pdserve cluster: router + N prefill + M decode workers under per-role supervision.
+#   scripts/launch_cluster.sh [--model DIR] [--prefill N] [--decode M] [--device cuda|cpu] [--port P] [worker flags...]
+# On a fresh machine it first creates .venv, installs pdserve and converts the bundled SmolLM2-135M-Instruct.
+# Prints one line when the cluster serves; Ctrl-C / SIGTERM stops every process.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+bash "$root/scripts/setup_env.sh" >&2
+py="$root/.venv/bin/python"
+model=""
+device=""
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) model="$2"; shift 2 ;;
+    --device) device="$2"; shift 2 ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
+if [ -z "$model" ]; then
+  model=$("$py" -m core.model_store | tail -n 1)
+fi
+if [ -z "$device" ]; then
+  device=$("$py" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
+fi
+exec "$py" "$root/scripts/supervisor.py" --model "$model" --device "$device" ${args[@]+"${args[@]}"}

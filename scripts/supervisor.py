@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""Starts router + N prefill + M decode processes and keeps them up (per-role supervision).
+
+A crashed worker restarts with exponential backoff; the router learns of it from the new incarnation in
+its heartbeats and fails or re-routes what the old one held, and the prefill workers reclaim leases. One
+line is printed when the cluster serves; SIGTERM / SIGINT stop every process.
+
+Why our own supervisor and not circus / supervisord: the roles need a per-cluster run directory for
+their ipc sockets and logs, a readiness line that depends on the router having seen every role, and
+exactly-once cleanup of the cluster on Ctrl-C; that is ~200 lines of stdlib here, versus a daemon with its
+own config files, sockets and lifecycle to manage around it. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_MARK = "pdserve router ready on"
+MAX_BACKOFF_S = 10.0
+STABLE_AFTER_S = 30.0
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    next_start: float = 0.0
+    backoff: float = 0.5
+    history: list[float] = field(default_factory=list)
+
+    def start(self, env: dict[str, str]) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns the handle
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        self.started_at = time.monotonic()
+
+    def status(self) -> dict[str, object]:
+        alive = self.proc is not None and self.proc.poll() is None
+        return {
+            "name": self.name,
+            "pid": self.proc.pid if self.proc else None,
+            "state": "running" if alive else "restarting",
+            "restarts": self.restarts,
+            "uptime_s": round(time.monotonic() - self.started_at, 1) if alive else 0.0,
+            "log": str(self.log_path),
+        }
+
+
+def build_children(args: argparse.Namespace, run_dir: Path, extra: list[str]) -> list[Child]:
+    py = sys.executable
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    common = ["--model", args.model, "--run-dir", str(run_dir)]
+    worker = [*common, "--device", args.device, "--transport", args.transport, *extra]
+    worker += ["--num-prefill", str(args.prefill), "--num-decode", str(args.decode)]
+    children = [
+        Child(
+            "router",
+            [py, "-m", "router", *common, "--port", str(args.port), "--bind", args.bind]
+            + ["--prefill", str(args.prefill), "--decode", str(args.decode)],
+            logs / "router.log",
+        )
+    ]
+    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        for i in range(count):
+            argv = [py, "-m", f"{role}_worker", *worker, "--worker-id", str(i)]
+            children.append(Child(f"{role}-{i}", argv, logs / f"{role}-{i}.log"))
+    return children
+
+
+class Supervisor:
+    def __init__(self, children: list[Child], run_dir: Path, env: dict[str, str]) -> None:
+        self.children = children
+        self.run_dir = run_dir
+        self.env = env
+        self.stopping = False
+        self.ready = False
+
+    def run(self, address: str) -> int:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        for child in self.children:
+            child.start(self.env)
+        while not self.stopping:
+            self._reap_and_restart()
+            self._check_ready(address)
+            self._write_status()
+            time.sleep(0.1)
+        return self._shutdown()
+
+    def _reap_and_restart(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is not None:
+                code = child.proc.returncode
+                if now - child.started_at > STABLE_AFTER_S:
+                    child.backoff = 0.5
+                print(f"pdserve: {child.name} exited ({code}); restarting in {child.backoff:.1f}s", file=sys.stderr)
+                child.proc = None
+                child.next_start = now + child.backoff
+                child.backoff = min(child.backoff * 2, MAX_BACKOFF_S)
+            if child.proc is None and now >= child.next_start:
+                child.restarts += 1
+                child.history.append(time.time())
+                child.start(self.env)
+
+    def _check_ready(self, address: str) -> None:
+        if self.ready:
+            return
+        log = self.children[0].log_path
+        if log.exists() and READY_MARK in log.read_text(errors="replace"):
+            self.ready = True
+            print(f"pdserve cluster ready on {address} (run dir {self.run_dir})", flush=True)
+
+    def _write_status(self) -> None:
+        status = {"pid": os.getpid(), "ready": self.ready, "roles": [c.status() for c in self.children]}
+        tmp = self.run_dir / "status.json.tmp"
+        tmp.write_text(json.dumps(status, indent=1))
+        tmp.replace(self.run_dir / "status.json")
+
+    def _stop(self, *_: object) -> None:
+        self.stopping = True
+
+    def _shutdown(self) -> int:
+        procs = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10.0
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        print("pdserve: stopped", file=sys.stderr, flush=True)
+        return 0
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description="Run a pdserve cluster under supervision.")
+    p.add_argument("--model", required=True)
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--transport", default=None, help="shm | cuda_ipc (default: cuda_ipc on cuda, else shm)")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--bind", default="127.0.0.1")
+    p.add_argument("--run-dir", default=None)
+    args, extra = p.parse_known_args(argv)
+    if args.transport is None:
+        args.transport = "cuda_ipc" if args.device.startswith("cuda") else "shm"
+    if args.prefill < 1 or args.decode < 1:
+        p.error("--prefill and --decode must be >= 1")
+    return args, extra
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(argv)
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pdserve-"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    children = build_children(args, run_dir, extra)
+    return Supervisor(children, run_dir, env).run(f"{args.bind}:{args.port}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,480 @@
+"""The router end to end with fake workers (pyzmq + core.messages, no torch): ordering, text, usage, errors,
+cancellation, worker loss, health, reflection, and the `python -m router` process itself."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import zmq
+import zmq.asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from core import ipc
+from core.messages import (
+    AbortCmd,
+    DecodeWorkerLostCmd,
+    GenerateCmd,
+    HeartbeatEvent,
+    Message,
+    RequestErrorEvent,
+    Timings,
+    TokenEvent,
+    decode,
+)
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router import client
+from router.config import RouterConfig
+from router.server import RouterServer
+from router.tokenizer import RouterTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+HEARTBEAT_INTERVAL = 0.05
+HEARTBEAT_TIMEOUT = 0.5
+OUTPUT_TEXT = "Hello 👋🏽 wörld! 日本語 — done."
+
+
+@dataclass
+class Script:
+    """What the fake workers do with every request."""
+
+    tokens: list[int]
+    finish_reason: str = "length"
+    num_cached_tokens: int = 0
+    decode_stall_after: int | None = None
+    """The decode worker sends only this many of its tokens, then waits."""
+    prefill_stall: bool = False
+    """The prefill worker never answers."""
+    prefill_error: tuple[str, str] | None = None
+    """(gRPC code name, message) the prefill worker answers with instead of a token."""
+
+
+class FakeWorker:
+    """Binds its inbox, heartbeats the router and records every message it receives."""
+
+    role = "prefill"
+
+    def __init__(self, worker_id: int, run_dir: Path, ctx: zmq.asyncio.Context, script: Script) -> None:
+        self.worker_id = worker_id
+        self.script = script
+        addr = ipc.prefill_addr if self.role == "prefill" else ipc.decode_addr
+        self.inbox = ctx.socket(zmq.PULL)
+        self.inbox.bind(addr(run_dir, worker_id))
+        self.to_router = ipc.connect_push(zmq.Context.shadow(ctx.underlying), ipc.router_addr(run_dir))
+        self.incarnation = uuid.uuid4().hex
+        self.heartbeating = False
+        self.received: list[Message] = []
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        self.tasks = [asyncio.create_task(self._heartbeat()), asyncio.create_task(self._receive())]
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        self.inbox.close(linger=0)
+        self.to_router.close(linger=0)
+
+    def send(self, msg: Message) -> None:
+        assert ipc.send(self.to_router, msg)
+
+    def got(self, cls: type, request_id: str | None = None) -> list[Message]:
+        """Messages of type cls received so far (for request_id only, if given)."""
+        found = [m for m in self.received if isinstance(m, cls)]
+        return found if request_id is None else [m for m in found if getattr(m, "request_id", None) == request_id]
+
+    def handle(self, msg: Message) -> None:
+        pass
+
+    async def _heartbeat(self) -> None:
+        while True:
+            if self.heartbeating:
+                hb = HeartbeatEvent(self.role, self.worker_id, os.getpid(), self.incarnation, 100, 128, 0, 0)
+                ipc.send(self.to_router, hb)
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+
+    async def _receive(self) -> None:
+        while True:
+            msg = decode(await self.inbox.recv())
+            self.received.append(msg)
+            self.handle(msg)
+
+
+class FakeDecode(FakeWorker):
+    """Sends tokens 1..n of each request it is told about, pairwise swapped and with a duplicate."""
+
+    role = "decode"
+
+    def begin(self, request_id: str) -> None:
+        """Stands in for the HandoffCmd a real prefill worker would send."""
+        self.tasks.append(asyncio.create_task(self._emit(request_id)))
+
+    async def _emit(self, request_id: str) -> None:
+        tokens = self.script.tokens
+        events = [TokenEvent(request_id, i, [tokens[i]]) for i in range(1, len(tokens))]
+        events[-1:] = [TokenEvent(request_id, len(tokens) - 1, tokens[-1:], self.script.finish_reason)]
+        events = events[: self.script.decode_stall_after]
+        for k in range(0, len(events) - 1, 2):
+            events[k], events[k + 1] = events[k + 1], events[k]
+        for k, event in enumerate(events):
+            self.send(event)
+            if k == 1:
+                self.send(events[0])  # a duplicate: must not show up twice
+            await asyncio.sleep(0)
+
+
+class FakePrefill(FakeWorker):
+    """Answers GenerateCmd with token 0 (or an error), then tells the fake decode worker to go on."""
+
+    def __init__(self, worker_id: int, run_dir: Path, ctx: zmq.asyncio.Context, script: Script) -> None:
+        super().__init__(worker_id, run_dir, ctx, script)
+        self.decode: list[FakeDecode] = []
+
+    def handle(self, msg: Message) -> None:
+        s = self.script
+        if not isinstance(msg, GenerateCmd) or s.prefill_stall:
+            return
+        if s.prefill_error is not None:
+            self.send(RequestErrorEvent(msg.request_id, *s.prefill_error))
+            return
+        t = msg.timings.arrival
+        timings = Timings(arrival=t, prefill_start=t + 0.001, prefill_end=t + 0.003, first_token=t + 0.003)
+        finish = s.finish_reason if len(s.tokens) == 1 else None
+        self.send(TokenEvent(msg.request_id, 0, s.tokens[:1], finish, len(msg.token_ids), s.num_cached_tokens, timings))
+        if finish is None:
+            self.decode[msg.decode_worker].begin(msg.request_id)
+
+
+@dataclass
+class Harness:
+    router: RouterServer
+    prefill: FakePrefill
+    decode: FakeDecode
+    channel: grpc.aio.Channel
+    stub: pb_grpc.GenerationStub = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stub = pb_grpc.GenerationStub(self.channel)
+
+    async def generate(self, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+        return [r async for r in self.stub.Generate(request)]
+
+    async def health(self) -> int:
+        reply = await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(service=""))
+        return int(reply.status)
+
+
+@contextlib.asynccontextmanager
+async def router_with_fakes(
+    model_dir: Path, run_dir: Path, script: Script, heartbeat: bool = True
+) -> AsyncIterator[Harness]:
+    ctx = zmq.asyncio.Context()
+    prefill, decode_ = FakePrefill(0, run_dir, ctx, script), FakeDecode(0, run_dir, ctx, script)
+    prefill.decode = [decode_]
+    router = RouterServer(RouterConfig(str(model_dir), str(run_dir), port=0, heartbeat_timeout=HEARTBEAT_TIMEOUT))
+    await router.start()
+    for fake in (prefill, decode_):
+        fake.heartbeating = heartbeat
+        fake.start()
+    try:
+        if heartbeat:
+            await asyncio.wait_for(router.wait_ready(), 5.0)
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            yield Harness(router, prefill, decode_, channel)
+    finally:
+        prefill.close()
+        decode_.close()
+        await router.stop(0)
+        ctx.destroy(linger=0)
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 2.0) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, "condition not reached in time"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir: Path) -> RouterTokenizer:
+    return RouterTokenizer.from_dir(smollm2_dir)
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="pdr-"))  # NOTE: short: ipc socket paths are limited to ~100 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_stream_has_tokens_in_order_with_text_usage_and_finish(
+    smollm2_dir: Path, run_dir: Path, tokenizer: RouterTokenizer
+) -> None:
+    tokens = tokenizer.encode(OUTPUT_TEXT)
+    prompt = tokenizer.encode("Say hello")
+
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script(tokens, num_cached_tokens=3)) as h:
+            sampling = pb.SamplingParams(temperature=0.0, max_tokens=len(tokens), seed=5)
+            got = await h.generate(pb.GenerateRequest(text="Say hello", sampling=sampling, request_id="req-1"))
+            (cmd,) = h.prefill.got(GenerateCmd, "req-1")
+            assert isinstance(cmd, GenerateCmd)
+            assert cmd.token_ids == prompt and cmd.decode_worker == 0 and cmd.timings.arrival > 0
+            assert (cmd.sampling.temperature, cmd.sampling.max_tokens, cmd.sampling.seed) == (0.0, len(tokens), 5)
+            assert [r.token_ids[0] for r in got] == tokens and all(len(r.token_ids) == 1 for r in got)
+            assert "".join(r.text for r in got) == OUTPUT_TEXT
+            assert not any("\ufffd" in r.text for r in got)
+            last = got[-1]
+            assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.request_id == "req-1"
+            assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.cached_prompt_tokens) == (
+                len(prompt), len(tokens), 3,
+            )  # fmt: skip
+            assert last.timings.prefill_ms == pytest.approx(2.0, abs=0.01) and last.timings.first_token_ms >= 3.0
+            assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in got[:-1])
+            assert not h.decode.got(AbortCmd, "req-1")  # the worker finished on its own
+            assert len(h.router.hub.table) == 0
+
+    asyncio.run(body())
+
+
+def test_bad_input_is_invalid_argument_and_reaches_no_worker(smollm2_dir: Path, run_dir: Path) -> None:
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script([5])) as h:
+            bad = [
+                pb.GenerateRequest(),
+                pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 49152])),
+                pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=0.0)),
+                pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=0)),
+            ]
+            for request, needle in zip(bad, ["empty", "vocabulary", "top_p", "max_tokens"], strict=True):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await h.generate(request)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert needle in (err.value.details() or "")
+            assert not h.prefill.got(GenerateCmd)
+
+    asyncio.run(body())
+
+
+def test_stop_string_finishes_with_stop_and_aborts_the_workers(
+    smollm2_dir: Path, run_dir: Path, tokenizer: RouterTokenizer
+) -> None:
+    tokens = tokenizer.encode("one two\n\nUser: three four five")
+
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script(tokens)) as h:
+            sampling = pb.SamplingParams(stop=["\n\nUser:"])
+            got = await h.generate(pb.GenerateRequest(text="count", sampling=sampling, request_id="s"))
+            assert "".join(r.text for r in got) == "one two"
+            assert got[-1].finish_reason == pb.FINISH_REASON_STOP
+            assert got[-1].usage.completion_tokens == len(got) < len(tokens)
+            await eventually(lambda: bool(h.prefill.got(AbortCmd, "s") and h.decode.got(AbortCmd, "s")))
+
+    asyncio.run(body())
+
+
+def test_client_cancel_sends_abort_to_both_workers(smollm2_dir: Path, run_dir: Path) -> None:
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script(list(range(100, 140)), decode_stall_after=3)) as h:
+            call = h.stub.Generate(pb.GenerateRequest(text="go", request_id="c"))
+            seen = 0
+            async for _ in call:
+                seen += 1
+                if seen == 2:
+                    call.cancel()
+                    break
+            await eventually(lambda: bool(h.prefill.got(AbortCmd, "c") and h.decode.got(AbortCmd, "c")))
+            await eventually(lambda: len(h.router.hub.table) == 0)
+
+    asyncio.run(body())
+
+
+def test_silent_decode_worker_fails_its_streams_unavailable_within_the_timeout(
+    smollm2_dir: Path, run_dir: Path
+) -> None:
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script(list(range(100, 140)), decode_stall_after=2)) as h:
+            calls = [h.stub.Generate(pb.GenerateRequest(text=f"go {i}", request_id=f"d{i}")) for i in range(3)]
+            for call in calls:
+                await call.read()
+            h.decode.heartbeating = False
+            silent_at = time.monotonic()
+            for call in calls:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "decode worker 0" in (
+                    err.value.details() or ""
+                )
+            assert time.monotonic() - silent_at < HEARTBEAT_TIMEOUT + 0.5
+            assert h.prefill.got(DecodeWorkerLostCmd) == [DecodeWorkerLostCmd(0)]
+            assert await h.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.generate(pb.GenerateRequest(text="again"))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            h.decode.heartbeating = True
+            await asyncio.wait_for(h.router.wait_ready(), 2.0)
+            await eventually(lambda: len(h.router.hub.table) == 0)
+
+    asyncio.run(body())
+
+
+def test_restarted_prefill_worker_fails_requests_waiting_for_their_first_token(
+    smollm2_dir: Path, run_dir: Path
+) -> None:
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script([7, 8], prefill_stall=True)) as h:
+            call = h.stub.Generate(pb.GenerateRequest(text="wait", request_id="p"))
+            await eventually(lambda: bool(h.prefill.got(GenerateCmd, "p")))
+            h.prefill.incarnation = uuid.uuid4().hex  # what a restarted process looks like
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "prefill worker 0 restarted" in str(
+                err.value.details()
+            )
+            assert not h.prefill.got(DecodeWorkerLostCmd)
+
+    asyncio.run(body())
+
+
+def test_worker_error_event_ends_the_stream_with_its_code(smollm2_dir: Path, run_dir: Path) -> None:
+    script = Script([7], prefill_error=("RESOURCE_EXHAUSTED", "the prompt needs 99 KV blocks"))
+
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, script) as h:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.generate(pb.GenerateRequest(text="x"))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert err.value.details() == "the prompt needs 99 KV blocks"
+
+    asyncio.run(body())
+
+
+def test_duplicate_in_flight_request_id_is_already_exists(smollm2_dir: Path, run_dir: Path) -> None:
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script([7, 8], prefill_stall=True)) as h:
+            first = h.stub.Generate(pb.GenerateRequest(text="one", request_id="same"))
+            await eventually(lambda: bool(h.prefill.got(GenerateCmd, "same")))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.generate(pb.GenerateRequest(text="two", request_id="same"))
+            assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            first.cancel()
+
+    asyncio.run(body())
+
+
+def test_health_follows_worker_heartbeats_and_reflection_lists_the_service(smollm2_dir: Path, run_dir: Path) -> None:
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script([7]), heartbeat=False) as h:
+            assert await h.health() == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.generate(pb.GenerateRequest(text="x"))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            h.prefill.heartbeating = h.decode.heartbeating = True
+            await asyncio.wait_for(h.router.wait_ready(), 2.0)
+            await eventually(lambda: True)
+            assert await h.health() == health_pb2.HealthCheckResponse.SERVING
+            stub = reflection_pb2_grpc.ServerReflectionStub(h.channel)
+            call = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            reply = await call.read()
+            names = {s.name for s in reply.list_services_response.service}
+            assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= names
+
+    asyncio.run(body())
+
+
+def test_get_model_info_reports_the_model(smollm2_dir: Path, run_dir: Path) -> None:
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script([7])) as h:
+            info = await h.stub.GetModelInfo(pb.GetModelInfoRequest())
+            assert (info.model_name, info.vocab_size, info.max_model_len) == ("SmolLM2-135M-Instruct", 49152, 8192)
+            assert list(info.eos_token_ids) == [2] and not info.HasField("block_size")
+
+    asyncio.run(body())
+
+
+def test_client_streams_text_to_stdout_and_usage_to_stderr(
+    smollm2_dir: Path, run_dir: Path, tokenizer: RouterTokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tokens = tokenizer.encode(OUTPUT_TEXT)
+
+    async def body() -> int:
+        async with router_with_fakes(smollm2_dir, run_dir, Script(tokens, finish_reason="stop")) as h:
+            argv = ["--address", h.router.address, "--chat", "--max-tokens", "64", "--temperature", "0", "Hi"]
+            code = await asyncio.to_thread(client.main, argv)
+            (cmd,) = h.prefill.got(GenerateCmd)
+            assert isinstance(cmd, GenerateCmd) and cmd.sampling.temperature == 0.0 and cmd.sampling.max_tokens == 64
+            assert cmd.token_ids == tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+            return code
+
+    assert asyncio.run(body()) == 0
+    out, err = capsys.readouterr()
+    assert out == OUTPUT_TEXT + "\n"
+    assert err.startswith("[stop] prompt") and f"completion {len(tokens)} tokens" in err
+
+
+def test_router_process_prints_ready_line_serves_and_stops_on_sigterm(
+    smollm2_dir: Path, run_dir: Path, tokenizer: RouterTokenizer
+) -> None:
+    tokens = tokenizer.encode(" fine, thanks")
+
+    async def body() -> None:
+        ctx = zmq.asyncio.Context()
+        prefill, decode_ = FakePrefill(0, run_dir, ctx, Script(tokens)), FakeDecode(0, run_dir, ctx, Script(tokens))
+        prefill.decode = [decode_]
+        argv = ["-m", "router", "--model", str(smollm2_dir), "--run-dir", str(run_dir), "--port", "0"]
+        argv += ["--prefill", "1", "--decode", "1", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT)]
+        proc = await asyncio.create_subprocess_exec(sys.executable, *argv, cwd=ROOT, stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        try:
+            for fake in (prefill, decode_):
+                fake.heartbeating = True
+                fake.start()
+            line = (await asyncio.wait_for(proc.stdout.readline(), 10.0)).decode()
+            assert line.startswith("pdserve router ready on 127.0.0.1:")
+            address = line.split()[-1]
+            async with grpc.aio.insecure_channel(address) as channel:
+                got = [
+                    r async for r in pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(text="how are you"))
+                ]
+            assert "".join(r.text for r in got) == " fine, thanks"
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 10.0) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+            prefill.close()
+            decode_.close()
+            ctx.destroy(linger=0)
+
+    asyncio.run(body())
+
+
+def test_router_modules_do_not_import_torch() -> None:
+    code = (
+        "import pkgutil, importlib, sys, router\n"
+        "for m in pkgutil.iter_modules(router.__path__): importlib.import_module(f'router.{m.name}')\n"
+        "bad = sorted(n for n in ('torch', 'transformers') if n in sys.modules)\n"
+        "assert not bad, bad\n"
+        "print(len(list(pkgutil.iter_modules(router.__path__))))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) >= 10

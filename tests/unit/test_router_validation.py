@@ -1,0 +1,93 @@
+"""router.validation: every bad request is refused with a message naming the problem; good ones convert to
+the engine's defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.messages import Sampling
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from router.model_info import ModelSpec
+from router.tokenizer import RouterTokenizer
+from router.validation import RequestValidator, ValidationError
+
+
+@pytest.fixture(scope="module")
+def validator(smollm2_dir: Path) -> RequestValidator:
+    return RequestValidator(ModelSpec.from_dir(smollm2_dir), RouterTokenizer.from_dir(smollm2_dir))
+
+
+def ids(*token_ids: int, **sampling: Any) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=token_ids), sampling=pb.SamplingParams(**sampling))
+
+
+BAD = [
+    ("no-input", pb.GenerateRequest(), "empty"),
+    ("empty-text", pb.GenerateRequest(text=""), "empty"),
+    ("empty-token-ids", ids(), "empty"),
+    ("empty-chat", pb.GenerateRequest(chat=pb.ChatMessages()), "empty"),
+    ("prompt-fills-context", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 8192)), "context"),
+    ("token-id-negative", ids(1, -1), "vocabulary"),
+    ("token-id-past-vocab", ids(1, 49152), "vocabulary"),
+    ("max-tokens-0", ids(1, max_tokens=0), "max_tokens"),
+    ("max-tokens-negative", ids(1, max_tokens=-3), "max_tokens"),
+    ("temperature-negative", ids(1, temperature=-0.5), "temperature"),
+    ("temperature-nan", ids(1, temperature=float("nan")), "temperature"),
+    ("temperature-inf", ids(1, temperature=float("inf")), "temperature"),
+    ("top-p-0", ids(1, top_p=0.0), "top_p"),
+    ("top-p-above-1", ids(1, top_p=1.5), "top_p"),
+    ("top-p-nan", ids(1, top_p=float("nan")), "top_p"),
+    ("top-k-negative", ids(1, top_k=-1), "top_k"),
+    ("min-tokens-above-max", ids(1, max_tokens=4, min_tokens=5), "min_tokens"),
+    ("min-tokens-negative", ids(1, min_tokens=-1), "min_tokens"),
+    ("seed-too-large", ids(1, seed=2**63), "seed"),
+    ("stop-token-past-vocab", ids(1, stop_token_ids=[49152]), "stop token"),
+    ("empty-stop-string", ids(1, stop=["ok", ""]), "stop strings"),
+    ("request-id-too-long", pb.GenerateRequest(text="hi", request_id="x" * 257), "request_id"),
+]
+
+
+@pytest.mark.parametrize(("request_", "needle"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_request_is_refused_with_a_message(
+    validator: RequestValidator, request_: pb.GenerateRequest, needle: str
+) -> None:
+    with pytest.raises(ValidationError) as err:
+        validator.validate(request_)
+    assert needle in str(err.value)
+
+
+def test_unset_sampling_fields_take_the_engine_defaults(validator: RequestValidator) -> None:
+    valid = validator.validate(ids(5, 6, 7))
+    assert valid.token_ids == [5, 6, 7]
+    assert valid.sampling == Sampling(temperature=1.0, top_k=0, top_p=1.0, seed=None, max_tokens=16, min_tokens=0)
+    assert valid.stop == ()
+
+
+def test_set_sampling_fields_are_passed_on(validator: RequestValidator) -> None:
+    req = ids(5, temperature=0.0, top_k=3, top_p=0.5, seed=7, max_tokens=9, min_tokens=2, stop_token_ids=[2],
+              stop=["\n"], ignore_eos=True)  # fmt: skip
+    valid = validator.validate(req)
+    assert valid.sampling == Sampling(0.0, 3, 0.5, 7, 9, 2, (2,), True)
+    assert valid.stop == ("\n",)
+
+
+def test_text_and_chat_are_tokenized(validator: RequestValidator) -> None:
+    tok = validator.tokenizer
+    assert validator.validate(pb.GenerateRequest(text="Hello there")).token_ids == tok.encode("Hello there")
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi")])
+    expected = tok.encode_chat([{"role": "user", "content": "Hi"}])
+    assert validator.validate(pb.GenerateRequest(chat=chat)).token_ids == expected
+
+
+def test_unknown_chat_roles_are_passed_to_the_template(validator: RequestValidator) -> None:
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="tool", content="42")])
+    messages = [{"role": "tool", "content": "42"}]
+    assert "<|im_start|>tool\n42" in validator.tokenizer.render_chat(messages)
+    assert validator.validate(pb.GenerateRequest(chat=chat)).token_ids == validator.tokenizer.encode_chat(messages)
+
+
+def test_model_spec_reads_limits_and_eos_ids(validator: RequestValidator) -> None:
+    assert validator.model == ModelSpec("SmolLM2-135M-Instruct", 49152, 8192, (2,))
