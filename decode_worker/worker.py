@@ -63,6 +63,7 @@ class DecodeWorker(WorkerBase):
         self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
         assert self.kv_pool is not None
         self.sink: KVTransferSink = make_sink(transport, self.kv_pool, self.layout)
+        log.info("KV transport %s, %d blocks of %d tokens", transport, self.layout.num_blocks, self.layout.block_size)
         self.to_prefill: list[zmq.Socket] = [
             ipc.connect_push(self.ctx, ipc.prefill_addr(run_dir, i)) for i in range(num_prefill)
         ]

@@ -25,14 +25,17 @@ def free_port() -> int:
 class Cluster:
     """router + N prefill + M decode processes under the supervisor, in a private run dir."""
 
-    def __init__(self, model: Path, run_dir: Path, prefill: int = 1, decode: int = 1, *extra: str) -> None:
+    def __init__(
+        self, model: Path, run_dir: Path, prefill: int = 1, decode: int = 1, *extra: str, device: str = "cpu"
+    ) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.run_dir = run_dir
         argv = [sys.executable, str(ROOT / "scripts" / "supervisor.py"), "--model", str(model)]
         argv += ["--prefill", str(prefill), "--decode", str(decode), "--port", str(self.port)]
-        argv += ["--run-dir", str(run_dir), "--device", "cpu", *extra]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        argv += ["--run-dir", str(run_dir), "--device", device, *extra]
+        path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         self.output: list[str] = []
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         threading.Thread(target=self._drain, daemon=True).start()

@@ -45,8 +45,10 @@ async def stream(address: str, req: pb.GenerateRequest) -> list[pb.GenerateRespo
         return [r async for r in pb_grpc.GenerationStub(channel).Generate(req)]
 
 
-async def generate_all(address: str, prompts: list[list[int]]) -> list[list[pb.GenerateResponse]]:
-    return await asyncio.gather(*(stream(address, greedy_request(p)) for p in prompts))
+async def generate_all(
+    address: str, prompts: list[list[int]], max_tokens: int = NEW_TOKENS
+) -> list[list[pb.GenerateResponse]]:
+    return await asyncio.gather(*(stream(address, greedy_request(p, max_tokens)) for p in prompts))
 
 
 def tokens_of(responses: list[pb.GenerateResponse]) -> list[int]:
