@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import signal
-import time
+import threading
 import uuid
 from pathlib import Path
 from typing import Literal
@@ -37,8 +37,9 @@ class WorkerBase:
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
         self.heartbeat_interval = heartbeat_interval
-        self._next_heartbeat = 0.0
         self._stopping = False
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self.engine: Engine  # set by the subclass
 
     def handle(self, msg: Message) -> None:
@@ -63,13 +64,9 @@ class WorkerBase:
             "preemptions": s.num_preemptions,
         }
 
-    def heartbeat(self) -> None:
-        now = time.monotonic()
-        if now < self._next_heartbeat:
-            return
-        self._next_heartbeat = now + self.heartbeat_interval
+    def heartbeat_event(self) -> HeartbeatEvent:
         pool, sched = self.engine.pool, self.engine.scheduler
-        event = HeartbeatEvent(
+        return HeartbeatEvent(
             role=self.role,
             worker_id=self.worker_id,
             pid=os.getpid(),
@@ -80,8 +77,25 @@ class WorkerBase:
             num_waiting=len(sched.waiting),
             counters=self.counters(),
         )
-        ipc.send(self.to_router, event)
-        self._write_stats(event)
+
+    def _heartbeat_loop(self) -> None:
+        """Heartbeats from their own thread and socket, so a long forward pass never looks like a death.
+
+        NOTE: reads the engine's counters without a lock; a structure changing under the read just skips
+        one beat.
+        """
+        sock = ipc.connect_push(self.ctx, ipc.router_addr(self.run_dir))
+        while True:
+            try:
+                event = self.heartbeat_event()
+            except RuntimeError:
+                event = None
+            if event is not None:
+                ipc.send(sock, event, wait_ms=0)
+                self._write_stats(event)
+            if self._heartbeat_stop.wait(self.heartbeat_interval):
+                break
+        sock.close(linger=0)
 
     def _write_stats(self, event: HeartbeatEvent) -> None:
         """The latest heartbeat as JSON under run_dir/stats/ (read by the status command and tests)."""
@@ -96,8 +110,8 @@ class WorkerBase:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         log.info("%s worker %d ready (pid %d)", self.role, self.worker_id, os.getpid())
+        self._heartbeat_thread.start()
         while not self._stopping:
-            self.heartbeat()
             timeout = 0 if self.engine.has_unfinished() else int(self.heartbeat_interval * 1000)
             for sock, _ in self.poller.poll(timeout):
                 if sock is self.inbox:
@@ -120,4 +134,7 @@ class WorkerBase:
         self._stopping = True
 
     def close(self) -> None:
+        self._heartbeat_stop.set()
+        if self._heartbeat_thread.is_alive():
+            self._heartbeat_thread.join(timeout=2.0)
         self.ctx.destroy(linger=0)

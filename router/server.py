@@ -130,8 +130,11 @@ class RouterServer:
         return dataclasses.replace(self.cfg, port=self.port).address
 
     async def wait_ready(self) -> None:
-        """Until at least one prefill and one decode worker have sent a heartbeat."""
+        """Until every configured prefill and decode worker has sent a heartbeat."""
         await self.hub.serving.wait()
+        live = self.hub.liveness
+        while len(live.up("prefill")) < self.cfg.num_prefill or len(live.up("decode")) < self.cfg.num_decode:
+            await asyncio.sleep(0.05)
 
     async def stop(self, grace: float | None = None) -> None:
         """Refuse new calls, let streams in flight finish within `grace` seconds, then close the sockets."""
