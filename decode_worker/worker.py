@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections import OrderedDict, deque
 from typing import NamedTuple
 
@@ -21,6 +23,7 @@ from core.messages import (
     Message,
     ReleaseCmd,
     RequestErrorEvent,
+    Timings,
     TokenEvent,
     decode,
     encode,
@@ -71,6 +74,7 @@ class DecodeWorker(WorkerBase):
         self.waiting: deque[HandoffCmd] = deque()  # handoffs that found no room yet (still leased)
         self.aborted: OrderedDict[str, None] = OrderedDict()  # recent aborts, for handoffs that race them
         self.num_blocks_pulled: int = 0
+        self.timings: dict[str, Timings] = {}  # handed-off requests whose first decode event is not out yet
 
     def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
         layout = KVLayout.from_engine_config(self.cfg, num_blocks)
@@ -91,6 +95,7 @@ class DecodeWorker(WorkerBase):
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+        self.timings.pop(request_id, None)
         self.aborted[request_id] = None
         while len(self.aborted) > RECENT_ABORTS:
             self.aborted.popitem(last=False)
@@ -133,6 +138,7 @@ class DecodeWorker(WorkerBase):
             ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "UNAVAILABLE", f"KV transfer failed: {exc}"))
         else:
             self.num_blocks_pulled += len(dst)
+            self.timings[cmd.request_id] = dataclasses.replace(cmd.timings, handoff_end=time.time())
         self._release(cmd)
         return True
 
