@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,19 +84,54 @@ def build_children(args: argparse.Namespace, run_dir: Path, extra: list[str]) ->
     return children
 
 
+class Mps:
+    """An MPS control daemon private to this cluster (own pipe and log folders), so prefill and decode on
+    one GPU each get a fixed share of its SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) instead of time slices."""
+
+    def __init__(self, run_dir: Path, split: tuple[int, int]) -> None:
+        self.env = {
+            "CUDA_MPS_PIPE_DIRECTORY": str(run_dir / "mps" / "pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": str(run_dir / "mps" / "log"),
+        }
+        self.split = split
+
+    def start(self, env: dict[str, str]) -> bool:
+        exe = shutil.which("nvidia-cuda-mps-control")
+        if exe is None:
+            print("pdserve: nvidia-cuda-mps-control not found; running without MPS", file=sys.stderr)
+            return False
+        for folder in self.env.values():
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        subprocess.run([exe, "-d"], env={**env, **self.env}, check=True)
+        print(f"pdserve: MPS on, SM share prefill/decode {self.split[0]}/{self.split[1]}%", file=sys.stderr)
+        return True
+
+    def role_env(self, role: str) -> dict[str, str]:
+        share = {"prefill": self.split[0], "decode": self.split[1]}.get(role)
+        return {**self.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)} if share is not None else {}
+
+    def stop(self, env: dict[str, str]) -> None:
+        exe = shutil.which("nvidia-cuda-mps-control")
+        if exe is not None:
+            subprocess.run([exe], input=b"quit\n", env={**env, **self.env}, check=False, timeout=30)
+
+
 class Supervisor:
-    def __init__(self, children: list[Child], run_dir: Path, env: dict[str, str]) -> None:
+    def __init__(self, children: list[Child], run_dir: Path, env: dict[str, str], mps: Mps | None = None) -> None:
         self.children = children
         self.run_dir = run_dir
         self.env = env
+        self.mps = mps
         self.stopping = False
         self.ready = False
 
     def run(self, address: str) -> int:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
+        if self.mps is not None and not self.mps.start(self.env):
+            self.mps = None
         for child in self.children:
-            child.start(self.env)
+            child.start(self._env_for(child))
         while not self.stopping:
             self._reap_and_restart()
             self._check_ready(address)
@@ -117,7 +153,10 @@ class Supervisor:
             if child.proc is None and now >= child.next_start:
                 child.restarts += 1
                 child.history.append(time.time())
-                child.start(self.env)
+                child.start(self._env_for(child))
+
+    def _env_for(self, child: Child) -> dict[str, str]:
+        return {**self.env, **self.mps.role_env(child.name.split("-")[0])} if self.mps else self.env
 
     def _check_ready(self, address: str) -> None:
         if self.ready:
@@ -147,6 +186,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.mps is not None:
+            self.mps.stop(self.env)
         print("pdserve: stopped", file=sys.stderr, flush=True)
         return 0
 
@@ -161,6 +202,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--bind", default="127.0.0.1")
     p.add_argument("--run-dir", default=None)
+    p.add_argument(
+        "--mps",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="MPS SM partitioning between roles sharing a GPU (auto: on for --device cuda)",
+    )
+    p.add_argument("--mps-split", default="50/50", help="SM share in percent, prefill/decode (default 50/50)")
     args, extra = p.parse_known_args(argv)
     if args.transport is None:
         args.transport = "cuda_ipc" if args.device.startswith("cuda") else "shm"
@@ -177,7 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     children = build_children(args, run_dir, extra)
-    return Supervisor(children, run_dir, env).run(f"{args.bind}:{args.port}")
+    mps = None
+    if args.mps == "on" or (args.mps == "auto" and args.device.startswith("cuda")):
+        prefill_share, decode_share = (int(x) for x in args.mps_split.split("/"))
+        mps = Mps(run_dir, (prefill_share, decode_share))
+    return Supervisor(children, run_dir, env, mps).run(f"{args.bind}:{args.port}")
 
 
 if __name__ == "__main__":

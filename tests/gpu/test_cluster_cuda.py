@@ -4,6 +4,7 @@ equal transformers on the same GPU."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
 import pytest
@@ -28,5 +29,7 @@ def test_cuda_cluster_matches_transformers_on_gpu(tiny_llama_dir: Path, tmp_path
         decode = cluster.stats("decode", 0)["counters"]
         assert decode["prefill_tokens_computed"] == 0 and decode["blocks_pulled"] > 0
         assert "KV transport cuda_ipc" in (tmp_path / "run" / "logs" / "decode-0.log").read_text()
+        if shutil.which("nvidia-cuda-mps-control"):
+            assert any("MPS on, SM share prefill/decode 50/50%" in line for line in cluster.output)
     finally:
         cluster.stop()
