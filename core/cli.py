@@ -19,6 +19,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--prefill-chunk-size", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode passes")
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
@@ -43,4 +45,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_chunk_size=args.prefill_chunk_size,
     )
-    return EngineConfig(model=model, cache=cache, scheduler=sched, device=args.device)
+    return EngineConfig(
+        model=model,
+        cache=cache,
+        scheduler=sched,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+    )

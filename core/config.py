@@ -180,3 +180,7 @@ class EngineConfig:
     """Batching limits."""
     device: str = "cpu"
     """cpu | cuda | cuda:N."""
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    """auto: the Triton kernels on CUDA, the torch reference elsewhere."""
+    enforce_eager: bool = False
+    """Run decode passes eagerly; otherwise (CUDA, Triton backend) they replay captured CUDA graphs."""

@@ -106,6 +106,7 @@ class KVCacheManager:
             copies.append(BlockCopy(req.block_ids[-1], dst))
             self.pool.free([req.block_ids[-1]])
             req.block_ids[-1] = dst
+            req.blocks_epoch += 1
             req.tail_shared = False
             needed -= 1
         if needed > 0:
@@ -134,6 +135,7 @@ class KVCacheManager:
         """Release req's blocks, tail first, so a shared prefix outlives its private suffix in the LRU."""
         self.pool.free(req.block_ids[::-1])
         req.block_ids.clear()
+        req.blocks_epoch += 1
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
         req.tail_shared = False

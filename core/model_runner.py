@@ -7,8 +7,10 @@ from collections.abc import Callable
 import torch
 
 from core.config import EngineConfig
+from core.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from core.decode_batch import DecodeBatch
 from core.models import load_model
-from core.scheduler import StepPlan
+from core.scheduler import ScheduledChunk, StepPlan
 from kernels.attention import AttentionBackend, AttentionMetadata, TorchAttention
 
 
@@ -39,6 +41,21 @@ def kv_pool_shape(cfg: EngineConfig, num_blocks: int) -> tuple[int, ...]:
     return (m.num_layers, 2, num_blocks, cfg.cache.block_size, m.num_kv_heads, m.head_dim)
 
 
+def make_backend(cfg: EngineConfig, device: torch.device) -> AttentionBackend:
+    """The attention backend a config names; auto picks Triton on CUDA."""
+    name = cfg.attention_backend
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        from kernels.triton_backend import TritonAttention
+
+        return TritonAttention(max_batch=cfg.scheduler.max_num_seqs)
+    return TorchAttention()
+
+
+def is_decode_pass(chunks: list[ScheduledChunk]) -> bool:
+    """Every chunk is one token that samples: the pass can run on the persistent decode inputs."""
+    return all(c.num_tokens == 1 and c.samples for c in chunks)
+
+
 class ModelRunner:
     """Owns the model weights and the KV cache tensors of one process.
 
@@ -51,7 +68,7 @@ class ModelRunner:
     ) -> None:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
-        self.backend = backend or TorchAttention()
+        self.backend = backend or make_backend(cfg, self.device)
         self.model = load_model(cfg.model, self.backend, self.device)
         self.num_blocks = resolve_num_blocks(cfg, self.device)
         kv_dtype = getattr(torch, cfg.cache.kv_dtype or cfg.model.dtype)
@@ -64,6 +81,27 @@ class ModelRunner:
         self.kv_caches = list(self.kv_pool.unbind(0))  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
         self.num_forward_calls = 0
         self.num_forward_tokens = 0
+        max_blocks = -(-cfg.model.max_model_len // cfg.cache.block_size)
+        self.decode_batch = DecodeBatch(cfg.scheduler.max_num_seqs, max_blocks, cfg.cache.block_size, self.device)
+        self.graphs = self._capture_graphs() if self._uses_graphs() else None
+
+    def _uses_graphs(self) -> bool:
+        if self.device.type != "cuda" or self.cfg.enforce_eager:
+            return False
+        from kernels.triton_backend import TritonAttention  # triton is only needed on CUDA
+
+        return isinstance(self.backend, TritonAttention)
+
+    def _capture_graphs(self) -> DecodeGraphs:
+        sizes = graph_batch_sizes(self.cfg.scheduler.max_num_seqs)
+        graphs = DecodeGraphs(self._decode_forward, self.decode_batch, self.backend, sizes)
+        graphs.capture()
+        return graphs
+
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object) -> torch.Tensor:
+        assert isinstance(meta, AttentionMetadata)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [batch, hidden]
+        return self.model.compute_logits(hidden)  # type: ignore[operator]
 
     @torch.inference_mode()
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
@@ -77,12 +115,25 @@ class ModelRunner:
         """Run plan.chunks through the model; [num_sampling_chunks, vocab] float32 logits, in chunk order."""
         if plan.copies:
             self.copy_blocks([c.src for c in plan.copies], [c.dst for c in plan.copies])
+        self.num_forward_calls += 1
+        self.num_forward_tokens += plan.num_tokens
+        if is_decode_pass(plan.chunks):
+            return self._execute_decode(plan.chunks)
         input_ids, positions, meta, logits_idx = self._prepare(plan)
         self.backend.prepare(meta)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
-        self.num_forward_calls += 1
-        self.num_forward_tokens += input_ids.numel()
         return self.model.compute_logits(hidden[logits_idx])  # type: ignore[operator]
+
+    def _execute_decode(self, chunks: list[ScheduledChunk]) -> torch.Tensor:  # [batch, vocab] float32
+        """A decode pass on the persistent inputs: a CUDA graph replay when one holds the batch."""
+        n, batch = len(chunks), self.decode_batch
+        graphs = self.graphs if self.graphs is not None and n <= self.graphs.max_size else None
+        seq_lens = batch.load([c.req for c in chunks], graphs.padded_size(n) if graphs else n)
+        if graphs is not None:
+            return graphs.replay(n)
+        meta = batch.metadata(n, seq_lens)
+        self.backend.prepare(meta)
+        return self._decode_forward(batch.input_ids[:n], batch.positions[:n], meta)
 
     def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         bs = self.cfg.cache.block_size

@@ -27,6 +27,9 @@ class Request:
     """Block table: block_ids[i] holds positions [i * block_size, (i + 1) * block_size)."""
     block_hashes: list[int] = field(default_factory=list)
     """Chained hashes of the full blocks of token_ids (computed or not), extended as tokens arrive."""
+    blocks_epoch: int = 0
+    """NOTE: bumped whenever block_ids change other than by appending (freed, or a shared tail replaced), so
+    a holder of a copy of the block table knows when appending the new ids is not enough."""
     num_registered_blocks: int = 0
     """Leading full blocks already offered to the prefix cache."""
     num_computed_tokens: int = 0

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 class AttentionMetadata:
     """One forward pass's view of the paged cache, shared by every layer."""
 
-    slot_mapping: torch.Tensor
-    """[num_tokens] int64: cache slot each new token's K/V is written to."""
+    slot_mapping: torch.Tensor | None
+    """[num_tokens] int64: cache slot each new token's K/V is written to. None on a decode pass built from
+    persistent buffers: there each sequence has one new token at `positions`, found through block_tables."""
     query_start_loc: torch.Tensor
     """[batch + 1] int32: cumulative query lengths."""
     seq_lens: torch.Tensor
@@ -36,6 +37,8 @@ class AttentionMetadata:
     """Host copy of seq_lens."""
     block_size: int
     """Tokens per block."""
+    positions: torch.Tensor | None = None
+    """[num_tokens] int64 positions of the new tokens; required when slot_mapping is None."""
     plan: Any = field(default=None)
     """Backend-specific precomputation, filled once per pass by AttentionBackend.prepare."""
 
@@ -88,7 +91,7 @@ class TorchAttention:
     """
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        device = meta.slot_mapping.device
+        device = meta.block_tables.device
         bs, max_q, max_s = meta.block_size, meta.max_query_len, meta.max_seq_len
         key_pos = torch.arange(max_s, device=device)  # [max_seq]
         blocks = meta.block_tables.long()[:, key_pos // bs]  # [batch, max_seq]
@@ -97,7 +100,7 @@ class TorchAttention:
         seq_lens = meta.seq_lens.long()
         starts = meta.query_start_loc[:-1].long()
         seq_of_token = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), q_lens)
-        offset = torch.arange(meta.slot_mapping.numel(), device=device) - starts[seq_of_token]
+        offset = torch.arange(sum(meta.query_lens), device=device) - starts[seq_of_token]
         query_rows = seq_of_token * max_q + offset
         q_idx = torch.arange(max_q, device=device)
         q_pos = (seq_lens - q_lens)[:, None] + q_idx[None, :]  # [batch, max_query]
@@ -119,8 +122,9 @@ class TorchAttention:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        slots = meta.slot_mapping if meta.slot_mapping is not None else decode_slots(meta)
+        k_flat.index_copy_(0, slots, k)
+        v_flat.index_copy_(0, slots, v)
         keys = k_flat[plan.key_slots].transpose(1, 2)  # [batch, kv_heads, max_seq, head_dim]
         values = v_flat[plan.key_slots].transpose(1, 2)
         num_heads = q.shape[1]
@@ -133,3 +137,11 @@ class TorchAttention:
         out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=plan.mask, scale=scale)
         out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [batch * max_query, heads, head_dim]
         return out[plan.query_rows]
+
+
+def decode_slots(meta: AttentionMetadata) -> torch.Tensor:  # [batch] int64
+    """Slots of a decode pass's new tokens (one per sequence, at meta.positions), from the block tables."""
+    assert meta.positions is not None, "a pass without slot_mapping needs positions"
+    pos = meta.positions.long()
+    blocks = meta.block_tables.long().gather(1, (pos // meta.block_size)[:, None])[:, 0]
+    return blocks * meta.block_size + pos % meta.block_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import NamedTuple
@@ -70,7 +71,8 @@ class PrefillWorker(WorkerBase):
             for name in remove_stale_segments():
                 log.info("removed a stale KV segment %s", name)
         self.kv_pool: KVPool | None = None
-        self.engine = Engine(cfg, kv_allocator=self._allocate_pool)
+        # NOTE: a prefill worker hands requests off after their first token, so it captures no decode graphs.
+        self.engine = Engine(dataclasses.replace(cfg, enforce_eager=True), kv_allocator=self._allocate_pool)
         self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
         assert self.kv_pool is not None
         self.source: KVTransferSource = make_source(transport, self.kv_pool)

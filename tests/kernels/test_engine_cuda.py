@@ -41,8 +41,9 @@ def hf_greedy_cuda(model_dir: Path, prompts: list[list[int]]) -> tuple[list[list
     return tokens, logits
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_cuda_fp32_greedy_matches_hf_on_gpu(family: str, request: pytest.FixtureRequest) -> None:
+def test_cuda_fp32_greedy_matches_hf_on_gpu(family: str, backend: str, request: pytest.FixtureRequest) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     model_dir = request.getfixturevalue(f"tiny_{family}_dir")
@@ -51,6 +52,7 @@ def test_cuda_fp32_greedy_matches_hf_on_gpu(family: str, request: pytest.Fixture
         CacheConfig(num_blocks=256),
         SchedulerConfig(max_num_batched_tokens=64, prefill_chunk_size=16),
         device="cuda",
+        attention_backend=backend,  # type: ignore[arg-type]
     )
     engine = Engine(cfg)
     prompts = random_prompts(1024, (1, 5, 17, 33, 64, 100, 3, 48), seed=41)

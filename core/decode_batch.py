@@ -1,0 +1,110 @@
+"""Persistent inputs of decode passes: token ids, positions, sequence lengths and block tables.
+
+A decode pass (every running sequence brings one new token) is the hot loop. Its inputs live in buffers
+allocated once for max_batch rows; each step writes the host copies in place and moves them to the
+device with at most three copies. Row i of the block tables keeps the blocks of the request that ran in
+row i last step, so an identity batch (the same requests in the same order) rewrites nothing but the
+blocks a request gained. Rows past the batch are padding: token 0 at position 0 of the null block 0 with
+length 0, so a captured CUDA graph of a larger batch writes only the null block and reads nothing.
+
+NOTE: block-table entries past a request's length may be stale; kernels never read them (they stop at
+seq_lens), and a padding row's first entry is always the null block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from core.request import Request
+from kernels.attention import AttentionMetadata
+
+
+class DecodeBatch:
+    """Preallocated decode inputs on the device, with host staging (pinned on CUDA)."""
+
+    def __init__(self, max_batch: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+        self.max_batch, self.max_blocks, self.block_size, self.device = max_batch, max_blocks, block_size, device
+        pin = device.type == "cuda"
+        self.ids_pos_cpu = torch.zeros(2, max_batch, dtype=torch.int64, pin_memory=pin)  # [ids; positions]
+        self.seq_lens_cpu = torch.zeros(max_batch, dtype=torch.int32, pin_memory=pin)
+        self.tables_cpu = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
+        on_host = device.type == "cpu"
+        self.ids_pos = self.ids_pos_cpu if on_host else self.ids_pos_cpu.to(device)
+        self.seq_lens = self.seq_lens_cpu if on_host else self.seq_lens_cpu.to(device)
+        self.block_tables = self.tables_cpu if on_host else self.tables_cpu.to(device)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self._ids_pos_np = self.ids_pos_cpu.numpy()
+        self._seq_lens_np = self.seq_lens_cpu.numpy()
+        self._tables_np = self.tables_cpu.numpy()
+        # What row i of the host block table holds: (request, its blocks_epoch, number of its blocks).
+        self._rows: list[tuple[Request | None, int, int]] = [(None, 0, 0)] * max_batch
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.ids_pos[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.ids_pos[1]
+
+    def load(self, reqs: Sequence[Request], padded: int) -> list[int]:
+        """Stage the next token of each request in rows [0, len(reqs)), padding up to `padded`, and copy
+        to the device. Returns the sequence lengths (host ints)."""
+        n = len(reqs)
+        assert n <= padded <= self.max_batch, f"batch {n} padded to {padded} exceeds {self.max_batch} rows"
+        ids_pos, seq_lens = self._ids_pos_np, self._seq_lens_np
+        tables_dirty = False
+        lens: list[int] = []
+        for i, req in enumerate(reqs):
+            pos = req.num_computed_tokens
+            ids_pos[0, i] = req.token_ids[pos]
+            ids_pos[1, i] = pos
+            seq_lens[i] = pos + 1
+            lens.append(pos + 1)
+            tables_dirty |= self._load_row(i, req)
+        ids_pos[:, n:padded] = 0
+        seq_lens[n:padded] = 0
+        for i in range(n, padded):
+            tables_dirty |= self._clear_row(i)
+        self._to_device(padded, tables_dirty)
+        return lens
+
+    def _load_row(self, row: int, req: Request) -> bool:
+        blocks = req.block_ids
+        held, epoch, num_held = self._rows[row]
+        start = num_held if held is req and epoch == req.blocks_epoch else 0
+        if start == len(blocks):
+            return False
+        self._tables_np[row, start : len(blocks)] = blocks[start:]
+        self._rows[row] = (req, req.blocks_epoch, len(blocks))
+        return True
+
+    def _clear_row(self, row: int) -> bool:
+        if self._rows[row][0] is None and self._tables_np[row, 0] == 0:
+            return False
+        self._tables_np[row, 0] = 0
+        self._rows[row] = (None, 0, 0)
+        return True
+
+    def _to_device(self, padded: int, tables_dirty: bool) -> None:
+        if self.device.type == "cpu":
+            return
+        self.ids_pos[:, :padded].copy_(self.ids_pos_cpu[:, :padded], non_blocking=True)
+        self.seq_lens[:padded].copy_(self.seq_lens_cpu[:padded], non_blocking=True)
+        if tables_dirty:
+            self.block_tables[:padded].copy_(self.tables_cpu[:padded], non_blocking=True)
+
+    def metadata(self, batch: int, seq_lens: list[int]) -> AttentionMetadata:
+        """The attention metadata of rows [0, batch): views of the persistent buffers."""
+        return AttentionMetadata(
+            slot_mapping=None,
+            query_start_loc=self.query_start_loc[: batch + 1],
+            seq_lens=self.seq_lens[:batch],
+            block_tables=self.block_tables[:batch],
+            query_lens=[1] * batch,
+            seq_lens_cpu=seq_lens,
+            block_size=self.block_size,
+            positions=self.positions[:batch],
+        )

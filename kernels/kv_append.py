@@ -1,0 +1,118 @@
+"""KV append in Triton: writes the new tokens' K and V into the paged cache.
+
+Layouts follow kernels/attention.py: kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim]; a token's
+K (or V) for every KV head is one row of num_kv_heads * head_dim elements at its slot. One program moves one
+token's K and V rows. Three ways to find the slot, one kernel:
+
+- slots: slot_mapping[t], the general path (prefill chunks and mixed batches);
+- per-request positions: token t is the one new token of sequence t (an identity batch) at positions[t], so
+  slot = block_tables[t, pos // block_size] * block_size + pos % block_size;
+- one shared position: every sequence of an identity batch is at positions[0] (a static batch decoding in
+  lockstep).
+
+NOTE: the decode paths read positions and block tables on the device, so a decode step builds no slot tensor
+and a CUDA graph can capture the launch (it reads no device value on the host and allocates nothing).
+Padding rows of a captured batch point at position 0 of the null block 0, which is never read unmasked.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _append_kv(
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    v_ptr,
+    cache_ptr,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    index_ptr,  # [num_tokens] int64 slots, or [num_tokens | 1] positions
+    block_tables_ptr,  # [num_tokens, max_blocks] int32 (positions modes only)
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cache_kv,
+    stride_cache_slot,
+    stride_cache_h,
+    stride_bt,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROW_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MODE: tl.constexpr,  # 0 slots, 1 per-request positions, 2 one shared position
+):
+    t = tl.program_id(0)
+    if MODE == 0:
+        slot = tl.load(index_ptr + t).to(tl.int64)
+    else:
+        pos = tl.load(index_ptr + (t if MODE == 1 else 0)).to(tl.int64)
+        block = tl.load(block_tables_ptr + t.to(tl.int64) * stride_bt + pos // BLOCK_SIZE).to(tl.int64)
+        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+    offs = tl.arange(0, ROW_PAD)
+    mask = offs < NUM_KV_HEADS * HEAD_DIM
+    head, dim = offs // HEAD_DIM, offs % HEAD_DIM
+    k = tl.load(k_ptr + t * stride_kt + head * stride_kh + dim, mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + head * stride_vh + dim, mask=mask)
+    dst = cache_ptr + slot * stride_cache_slot + head * stride_cache_h + dim
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_cache_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def append_kv(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor | None = None,  # [num_tokens] int64
+    positions: torch.Tensor | None = None,  # [num_tokens] or [1] int64/int32
+    block_tables: torch.Tensor | None = None,  # [num_tokens, max_blocks] int32
+) -> None:
+    """kv_cache[:, slot(t)] = k[t], v[t]: by slot_mapping, or (decode) by positions and block_tables."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    _, _, block_size, cache_heads, cache_dim = kv_cache.shape
+    assert v.shape == k.shape and (cache_heads, cache_dim) == (num_kv_heads, head_dim), "k/v/cache shapes differ"
+    assert k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim must be contiguous"
+    assert kv_cache.stride(3) == head_dim and kv_cache.stride(2) == num_kv_heads * head_dim, "cache slots not packed"
+    if slot_mapping is not None:
+        mode, index, tables = 0, slot_mapping, slot_mapping
+    else:
+        assert positions is not None and block_tables is not None, "give slot_mapping, or positions and block_tables"
+        assert block_tables.dtype == torch.int32 and block_tables.shape[0] >= num_tokens
+        assert positions.numel() in (1, num_tokens), "positions: one per token, or one shared"
+        mode = 1 if positions.numel() == num_tokens else 2
+        index, tables = positions, block_tables
+    if num_tokens == 0:
+        return
+    _append_kv[(num_tokens,)](
+        k, v, kv_cache, index, tables,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
+        tables.stride(0) if mode else 0,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        ROW_PAD=triton.next_power_of_2(num_kv_heads * head_dim),
+        BLOCK_SIZE=block_size,
+        MODE=mode,
+        num_warps=4,
+    )  # fmt: skip
+
+
+def append_kv_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
+) -> None:
+    """Torch reference of append_kv."""
+    if slot_mapping is None:
+        assert positions is not None and block_tables is not None
+        pos = positions.long().expand(k.shape[0])  # [num_tokens]
+        bs = kv_cache.shape[2]
+        rows = torch.arange(k.shape[0], device=k.device)
+        slot_mapping = block_tables.long()[rows, pos // bs] * bs + pos % bs
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Prefill latency of one long prompt through the engine vs transformers, same GPU, same process.
+
+Default shape (issue 4): Llama with hidden 2048, 16 layers, 32 heads, 8 KV heads, intermediate 8192,
+vocab 128256, bf16, seeded dummy weights, a 4000-token prompt. Prints a table and writes JSON.
+
+    python scripts/bench_prefill.py --out bench/results/prefill.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from core.engine import Engine  # noqa: E402
+from core.sampling_params import SamplingParams  # noqa: E402
+
+SHAPE = dict(
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=8192,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
+
+
+def write_config(folder: Path) -> Path:
+    from transformers import LlamaConfig
+
+    LlamaConfig(**SHAPE).save_pretrained(folder)
+    return folder
+
+
+def time_cuda(fn, repeats: int) -> list[float]:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def bench_engine(folder: Path, tokens: int, repeats: int, backend: str) -> list[float]:
+    model = ModelConfig.from_pretrained(folder, dtype="bfloat16", load_format="dummy")
+    cfg = EngineConfig(
+        model,
+        CacheConfig(num_blocks=tokens // 16 + 64, enable_prefix_caching=False),
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=tokens),
+        device="cuda",
+        attention_backend=backend,  # type: ignore[arg-type]
+    )
+    engine = Engine(cfg)
+    gen = torch.Generator().manual_seed(0)
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+
+    def run() -> None:
+        prompt = torch.randint(0, SHAPE["vocab_size"], (tokens,), generator=gen).tolist()
+        engine.generate([prompt], one)
+
+    time_cuda(run, 3)
+    return time_cuda(run, repeats)
+
+
+def bench_transformers(folder: Path, tokens: int, repeats: int) -> list[float]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, tokens), device="cuda")
+
+    def run() -> None:
+        with torch.no_grad():
+            model(ids, logits_to_keep=1)
+
+    time_cuda(run, 3)
+    return time_cuda(run, repeats)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--tokens", type=int, default=4000)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    folder = write_config(Path(tempfile.mkdtemp()))
+    hf = bench_transformers(folder, args.tokens, args.repeats)
+    rows = {"transformers": hf}
+    for backend in ("torch", "triton"):
+        rows[f"pdserve-{backend}"] = bench_engine(folder, args.tokens, args.repeats, backend)
+    result = {
+        "what": f"prefill latency, {args.tokens} tokens, bf16, Llama shape {SHAPE}",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+        "median_ms": {k: statistics.median(v) for k, v in rows.items()},
+        "p90_ms": {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in rows.items()},
+    }
+    base = result["median_ms"]["transformers"]  # type: ignore[index]
+    result["ratio_vs_transformers"] = {k: v / base for k, v in result["median_ms"].items()}  # type: ignore[attr-defined]
+    for k, v in result["median_ms"].items():  # type: ignore[attr-defined]
+        print(f"{k:20s} median {v:8.2f} ms")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
