@@ -1,5 +1,6 @@
-"""The engine's torch path on CUDA in fp32 (IEEE, no tf32): tokens equal transformers on the same GPU and
-last-step logits agree within tolerance."""
+"""The engine on CUDA in fp32 (IEEE, no tf32) with the torch backend, the Triton kernels eager and the
+Triton kernels in CUDA graphs: tokens equal transformers on the same GPU and first-token logits agree within
+tolerance."""
 
 from __future__ import annotations
 
@@ -41,20 +42,27 @@ def hf_greedy_cuda(model_dir: Path, prompts: list[list[int]]) -> tuple[list[list
     return tokens, logits
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+MODES = {"torch": ("torch", True), "triton-eager": ("triton", True), "triton-graphs": ("triton", False)}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_cuda_fp32_greedy_matches_hf_on_gpu(family: str, backend: str, request: pytest.FixtureRequest) -> None:
+def test_cuda_fp32_greedy_matches_hf_on_gpu(family: str, mode: str, request: pytest.FixtureRequest) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     model_dir = request.getfixturevalue(f"tiny_{family}_dir")
+    backend, eager = MODES[mode]
     cfg = EngineConfig(
         ModelConfig.from_pretrained(model_dir),
         CacheConfig(num_blocks=256),
-        SchedulerConfig(max_num_batched_tokens=64, prefill_chunk_size=16),
+        # graph sizes 1, 2, 4, 6: 8 prompts run as 6 then 2, mixed with prefill chunks (eager) on the way
+        SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, prefill_chunk_size=16),
         device="cuda",
         attention_backend=backend,  # type: ignore[arg-type]
+        enforce_eager=eager,
     )
     engine = Engine(cfg)
+    assert (engine.runner.graphs is not None) == (mode == "triton-graphs")
     prompts = random_prompts(1024, (1, 5, 17, 33, 64, 100, 3, 48), seed=41)
     expected, first_logits = hf_greedy_cuda(model_dir, prompts)
     assert engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)) == expected

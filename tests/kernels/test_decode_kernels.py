@@ -1,0 +1,151 @@
+"""The decode-path Triton kernels (KV append, paged decode attention) against their torch references.
+
+GPU tests run on CUDA with fresh random inputs. The same checks run on CPU under the Triton interpreter in a
+subprocess (TRITON_INTERPRET must be set before triton is imported, so never in the pytest process).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def random_cache(
+    num_blocks: int,
+    block_size: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    gen: torch.Generator,
+) -> torch.Tensor:  # [2, num_blocks, block_size, kv_heads, head_dim]
+    shape = (2, num_blocks, block_size, kv_heads, head_dim)
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def random_tables(lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """Block tables with distinct random non-null blocks per sequence, padded with 0. [batch, max_blocks]"""
+    max_blocks = max(1, max(-(-n // block_size) for n in lens))
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(lens), max_blocks + 1, dtype=torch.int32)  # one spare column of padding
+    for i, n in enumerate(lens):
+        need = -(-n // block_size)
+        tables[i, :need] = torch.tensor([perm.pop() for _ in range(need)], dtype=torch.int32)
+    return tables
+
+
+def check_decode(
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    lens: list[int],
+    splits: int | None,
+    device: str,
+    seed: int,
+) -> float:
+    from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 8
+    cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device, gen)
+    tables = random_tables(lens, block_size, num_blocks, gen).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, cache, tables, seq_lens, head_dim**-0.5, out=out, num_splits=splits)
+    ref = paged_decode_attention_ref(q, cache, tables, seq_lens, head_dim**-0.5)
+    assert not out.isnan().any(), "unwritten or NaN output"
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"relative error {err:.2e}"
+    return err
+
+
+def check_append(mode: str, dtype: torch.dtype, device: str, seed: int) -> None:
+    from kernels.kv_append import append_kv, append_kv_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    block_size, kv_heads, head_dim, num_blocks = 16, 3, 64, 40  # 3 heads: a row that is not a power of two
+    lens = [1, 16, 17, 40, 33]
+    tables = random_tables(lens, block_size, num_blocks, gen).to(device)
+    n = len(lens)
+    if mode == "positions":
+        kwargs = {"positions": torch.tensor([x - 1 for x in lens], device=device), "block_tables": tables}
+    elif mode == "shared":
+        kwargs = {"positions": torch.tensor([12], device=device), "block_tables": tables}
+    else:
+        n = 37
+        kwargs = {"slot_mapping": (torch.randperm(num_blocks * block_size, generator=gen)[:n]).to(device)}
+    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+    cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device, gen)
+    expected = cache.clone()
+    append_kv_ref(k, v, expected, **kwargs)
+    append_kv(k, v, cache, **kwargs)
+    assert torch.equal(cache, expected), f"append ({mode}) differs from the reference"
+
+
+DECODE_CASES = [
+    # heads, kv_heads, block_size, head_dim, lengths, splits
+    (4, 4, 16, 64, [1, 7, 16, 17, 33], None),
+    (8, 2, 16, 64, [5, 64, 65, 1], 3),
+    (32, 8, 16, 128, [1, 300, 4099, 17], None),
+    (12, 12, 32, 64, [2048, 31, 32, 33], 8),
+    (16, 2, 16, 128, [8192, 1], None),
+    (4, 1, 8, 32, [0, 9, 1], 2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("case", range(len(DECODE_CASES)))
+def test_paged_decode_attention_matches_reference(dtype: str, case: int) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    check_decode(DTYPES[dtype], *DECODE_CASES[case], device="cuda", seed=100 + case)  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3, 64, 200])
+def test_split_heuristic_equals_one_split(batch: int) -> None:
+    lens = [(i * 997) % 3000 + 1 for i in range(batch)]
+    check_decode(torch.bfloat16, 16, 4, 16, 64, lens, None, "cuda", seed=batch)
+    check_decode(torch.bfloat16, 16, 4, 16, 64, lens, 1, "cuda", seed=batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("mode", ["slots", "positions", "shared"])
+def test_append_kv_matches_reference(mode: str, dtype: str) -> None:
+    check_append(mode, DTYPES[dtype], "cuda", seed=7)
+
+
+def _interpreter_checks() -> None:
+    for mode in ("slots", "positions", "shared"):
+        check_append(mode, torch.float32, "cpu", seed=1)
+    check_decode(torch.float32, 4, 2, 4, 16, [1, 5, 8, 9], None, "cpu", seed=2)
+    check_decode(torch.float32, 4, 1, 8, 32, [0, 17, 3], 3, "cpu", seed=3)
+    check_decode(torch.float16, 8, 2, 16, 16, [70, 2], 2, "cpu", seed=4)
+    print("interpreter checks passed")
+
+
+def test_kernels_match_reference_under_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    code = "from tests.kernels.test_decode_kernels import _interpreter_checks; _interpreter_checks()"
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "interpreter checks passed" in run.stdout
