@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from core.config import EngineConfig
@@ -136,37 +137,33 @@ class ModelRunner:
         return self._decode_forward(batch.input_ids[:n], batch.positions[:n], meta)
 
     def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        bs = self.cfg.cache.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        q_lens, seq_lens, logits_idx = [], [], []
-        max_blocks = max(len(c.req.block_ids) for c in plan.chunks)
-        tables = torch.zeros(len(plan.chunks), max_blocks, dtype=torch.int32)
-        for i, chunk in enumerate(plan.chunks):
-            req, start = chunk.req, chunk.req.num_computed_tokens
-            end = start + chunk.num_tokens
-            ids.extend(req.token_ids[start:end])
-            pos.extend(range(start, end))
-            slots.extend(req.block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            q_lens.append(chunk.num_tokens)
-            seq_lens.append(end)
-            tables[i, : len(req.block_ids)] = torch.tensor(req.block_ids, dtype=torch.int32)
-            if chunk.samples:
-                logits_idx.append(len(ids) - 1)
-        dev = self.device
-        q_start = [0]
-        for n in q_lens:
-            q_start.append(q_start[-1] + n)
+        """Flat inputs of a general pass, built with numpy on the host and moved in two copies."""
+        bs, chunks = self.cfg.cache.block_size, plan.chunks
+        q_lens = [c.num_tokens for c in chunks]
+        starts = [c.req.num_computed_tokens for c in chunks]
+        seq_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
+        q_start = np.zeros(len(chunks) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=q_start[1:])
+        tables = np.zeros((len(chunks), max(len(c.req.block_ids) for c in chunks)), dtype=np.int32)
+        for i, c in enumerate(chunks):
+            tables[i, : len(c.req.block_ids)] = c.req.block_ids
+        pos = np.concatenate([np.arange(s, e) for s, e in zip(starts, seq_lens, strict=True)])  # [num_tokens]
+        ids = np.concatenate([c.req.token_ids[s:e] for c, s, e in zip(chunks, starts, seq_lens, strict=True)])
+        seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)
+        slots = tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
+        logits_idx = q_start[1:][[c.samples for c in chunks]] - 1
+        n = len(pos)
+        longs = torch.from_numpy(np.concatenate([ids, pos, slots, logits_idx])).to(self.device, non_blocking=True)
+        ints = np.concatenate([q_start.astype(np.int32), np.asarray(seq_lens, dtype=np.int32), tables.ravel()])
+        ints_dev = torch.from_numpy(ints).to(self.device, non_blocking=True)
+        num_seqs = len(chunks)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(q_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
+            slot_mapping=longs[2 * n : 3 * n],
+            query_start_loc=ints_dev[: num_seqs + 1],
+            seq_lens=ints_dev[num_seqs + 1 : 2 * num_seqs + 1],
+            block_tables=ints_dev[2 * num_seqs + 1 :].view(num_seqs, tables.shape[1]),
             query_lens=q_lens,
             seq_lens_cpu=seq_lens,
             block_size=bs,
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
-        return input_ids, positions, meta, torch.tensor(logits_idx, dtype=torch.int64, device=dev)
+        return longs[:n], longs[n : 2 * n], meta, longs[3 * n :]

@@ -1,0 +1,328 @@
+"""Paged prefill attention in Triton: flash-style, varlen, causal, GQA, over a cached prefix plus new tokens.
+
+Layouts follow kernels/attention.py: q is the flat [num_tokens, num_heads, head_dim] batch of new tokens;
+sequence i owns rows query_start_loc[i]:query_start_loc[i+1], which sit at the last query_len positions of
+its seq_lens[i] tokens. kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V) and
+already holds the K/V of all seq_lens[i] tokens, new ones included; position p lives at
+kv_cache[:, block_tables[i, p // block_size], p % block_size]. Block tables are padded with the null block 0.
+
+One program runs per (query head, tile of BLOCK_M query rows, sequence); query head h reads KV head
+h // (num_heads // num_kv_heads). It walks the keys in tiles of BLOCK_N tokens, gathering each token's block
+id from the block table, with an online softmax in fp32 in the log2 domain. The key loop has two parts:
+keys at or before the tile's first query position are visible to every row and run unmasked; the few
+tiles on the diagonal (up to the tile's last query) run with the causal mask; keys beyond are skipped.
+The heads are the fastest grid axis, so the G query heads of one KV head run side by side and share
+K/V through L2; query tiles are issued last-first, so the longest (most keys) programs start first.
+
+NOTE: the launch reads no device value on the host (max_query_len is a host int that sizes the grid;
+query lengths and seq_lens are read inside the kernel) and, given `out`, allocates nothing, so a CUDA graph
+can capture it. A graph replays the grid of its captured max_query_len: rows past it would stay unwritten.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_HEAD_DIM = 16
+MAX_HEAD_DIM = 256
+
+
+class PrefillTileConfig(NamedTuple):
+    """Tile sizes and launch shape of the prefill kernel."""
+
+    block_m: int
+    """Query rows per program."""
+    block_n: int
+    """Key tokens per inner-loop tile."""
+    num_warps: int
+    num_stages: int
+
+
+def choose_tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int) -> PrefillTileConfig:
+    """Tiles for a head_dim and dtype; BLOCK_M shrinks for short queries (decode-like batches).
+
+    fp32 runs its dots on IEEE FMAs (no tensor cores), so it takes smaller tiles; 16-bit types take
+    flash-attention's usual Hopper/Ampere shapes, bounded so K/V stages fit shared memory.
+    """
+    if dtype == torch.float32:
+        cfg = PrefillTileConfig(64, 32, 4, 2) if head_dim <= 128 else PrefillTileConfig(32, 32, 4, 1)
+    elif head_dim <= 64:
+        cfg = PrefillTileConfig(128, 64, 4, 3)
+    elif head_dim <= 128:
+        cfg = PrefillTileConfig(128, 64, 8, 3)
+    else:
+        cfg = PrefillTileConfig(64, 32, 4, 2)
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max(max_query_len, 1))))
+    return cfg._replace(block_m=block_m)
+
+
+@triton.jit
+def _attend_key_tiles(
+    acc,  # [BLOCK_M, HEAD_DIM] fp32, unnormalised output
+    l_i,  # [BLOCK_M] fp32 running sum of exp2
+    m_i,  # [BLOCK_M] fp32 running max, log2 domain
+    q,  # [BLOCK_M, HEAD_DIM]
+    q_pos,  # [BLOCK_M] token position of each query row
+    k_base,  # k_ptr at this KV head
+    v_base,
+    bt_row,  # block table row of this sequence
+    n_start,
+    n_end,
+    qk_scale,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(n_start, n_end, BLOCK_N):
+        k_pos = start_n + offs_n  # [BLOCK_N] key token positions
+        # NOTE: unmasked tiles lie wholly below n_end <= seq_len, so only masked tiles need load masks.
+        in_range = k_pos < n_end
+        if MASKED:
+            block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+        else:
+            block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
+        slot = k_pos % BLOCK_SIZE
+        k_ptrs = k_base + (block * stride_kb + slot * stride_kt)[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
+        v_ptrs = v_base + (block * stride_vb + slot * stride_vt)[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        if MASKED:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        # every row sees key 0 in the first tile it runs, so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_ptr,
+    block_tables_ptr,  # [batch, max_blocks] int32
+    query_start_loc_ptr,  # [batch + 1] int32
+    seq_lens_ptr,  # [batch] int32
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    qk_scale,  # softmax scale * log2(e)
+    group,  # num_heads // num_kv_heads
+    max_blocks,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    m_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # last tiles (most keys) first
+    seq = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    start_m = m_tile * BLOCK_M
+    if start_m >= q_len:
+        return
+    # NOTE: a length beyond the block table is clamped, so no read leaves the table.
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_blocks * BLOCK_SIZE)
+    ctx_len = tl.maximum(seq_len - q_len, 0)  # cached prefix before the first query
+    kv_head = head // group
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows within the sequence
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m < q_len
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=row_mask[:, None], other=0.0
+    )  # [BLOCK_M, HEAD_DIM]
+    q_pos = ctx_len + offs_m  # [BLOCK_M]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    # keys [0, full_end) are visible to every row; [full_end, kv_end) holds the diagonal
+    full_end = tl.minimum(ctx_len + start_m + 1, seq_len) // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum(ctx_len + start_m + BLOCK_M, seq_len)
+    acc, l_i, m_i = _attend_key_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, 0, full_end, qk_scale,
+        stride_kb, stride_kt, stride_vb, stride_vt,
+        HEAD_DIM, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _attend_key_tiles(
+        acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, full_end, kv_end, qk_scale,
+        stride_kb, stride_kt, stride_vb, stride_vt,
+        HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION,
+    )  # fmt: skip
+
+    # only seq_len 0 (invalid with query rows) leaves l_i = 0: write zeros, never NaN
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+) -> None:
+    assert q.dim() == 3, "q must be [num_tokens, num_heads, head_dim]"
+    num_tokens, num_heads, head_dim = q.shape
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, "kv_cache must be [2, num_blocks, block_size, kv_heads, d]"
+    _, _, block_size, num_kv_heads, kv_head_dim = kv_cache.shape
+    assert kv_head_dim == head_dim, f"head_dim mismatch: q {head_dim}, kv_cache {kv_head_dim}"
+    assert MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0, (
+        f"head_dim must be a power of two in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {head_dim}"
+    )
+    assert block_size > 0 and block_size & (block_size - 1) == 0, f"block_size must be a power of two, got {block_size}"
+    assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}"
+    assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {q.dtype}"
+    assert kv_cache.dtype == q.dtype, f"dtype mismatch: q {q.dtype}, kv_cache {kv_cache.dtype}"
+    assert q.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim must be the contiguous dimension"
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, "block_tables must be [batch, max_blocks] i32"
+    batch = block_tables.shape[0]
+    assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (batch + 1,), "query_start_loc: [batch+1]"
+    assert query_start_loc.is_contiguous() and seq_lens.is_contiguous(), "query_start_loc, seq_lens: contiguous"
+    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,), "seq_lens must be [batch] int32"
+    assert 0 <= max_query_len <= num_tokens, f"max_query_len {max_query_len} outside [0, {num_tokens}]"
+
+
+def launch_prefill_kernel(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [batch, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [batch + 1] int32
+    seq_lens: torch.Tensor,  # [batch] int32
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    cfg: PrefillTileConfig,
+) -> None:
+    """Launches the kernel with explicit tiles (for tuning); inputs are assumed checked."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    batch = block_tables.shape[0]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (num_heads, triton.cdiv(max_query_len, cfg.block_m), batch)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * LOG2E, num_heads // num_kv_heads, block_tables.shape[1],
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]  new query tokens of all sequences, flat
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]  (0 = K, 1 = V)
+    block_tables: torch.Tensor,  # [batch, max_blocks] int32, padded with the null block 0
+    query_start_loc: torch.Tensor,  # [batch + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor,  # [batch] int32, tokens of each sequence after this pass (cached prefix + new)
+    max_query_len: int,  # host int: max of the query lengths (sizes the grid)
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written in place
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype unless `out` says otherwise
+    """Causal attention of each sequence's new queries over its paged K/V (cached prefix + new tokens).
+
+    The K/V of every token, new ones included, must already be in kv_cache. Requires seq_lens[i] >=
+    query_len[i] and max_query_len >= every query length (shorter lengths leave rows unwritten).
+    """
+    _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len)
+    if out is None:
+        out = torch.empty_like(q)
+    assert out.shape == q.shape and out.stride(2) == 1, "out must be [num_tokens, heads, head_dim], last dim contiguous"
+    if max_query_len == 0 or block_tables.shape[0] == 0:
+        return out
+    cfg = choose_tile_config(q.shape[2], q.dtype, max_query_len)
+    launch_prefill_kernel(q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out, cfg)
+    return out
+
+
+def _ref_one_sequence(
+    q: torch.Tensor,  # [query_len, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks] int32
+    seq_len: int,
+    scale: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [query_len, num_heads, head_dim] in `dtype`
+    query_len, num_heads, _ = q.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    pos = torch.arange(seq_len, device=q.device)  # [seq_len]
+    blocks = block_table.long()[pos // block_size]
+    group = num_heads // num_kv_heads
+    keys = kv_cache[0][blocks, pos % block_size].to(dtype).repeat_interleave(group, dim=1)  # [seq, heads, d]
+    values = kv_cache[1][blocks, pos % block_size].to(dtype).repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.to(dtype), keys) * scale  # [heads, query_len, seq_len]
+    q_pos = seq_len - query_len + torch.arange(query_len, device=q.device)  # [query_len]
+    scores = scores.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [batch, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [batch + 1] int32
+    seq_lens: torch.Tensor,  # [batch] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] fp32
+    """Torch reference: per sequence, gathers its keys densely and runs a causal softmax in fp32.
+
+    fp64 inputs are computed in fp64 (the result is still fp32), for tests that want a tighter reference.
+    """
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        begin, end = starts[i], starts[i + 1]
+        if end > begin:
+            out[begin:end] = _ref_one_sequence(q[begin:end], kv_cache, block_tables[i], seq_len, scale, dtype)
+    return out

@@ -1,0 +1,70 @@
+"""The Triton attention backend: KV append, paged decode attention and paged prefill attention on CUDA.
+
+A pass whose sequences each bring one new token (decode) runs the split-K decode kernel; any other pass
+(prefill chunks, or prefill and decode mixed) runs the varlen prefill kernel over cached prefix + new tokens.
+Both read K/V from the paged cache only, after the append has written the new tokens.
+
+NOTE: forward() reads no device value on the host and, after the first decode pass, allocates nothing but
+its output, so the model runner can capture decode passes in CUDA graphs. The split-K workspace is sized
+once, for max_batch sequences, and never reallocated (a captured graph keeps pointing at it).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from kernels.decode_attention import MAX_SPLITS, DecodeWorkspace, paged_decode_attention
+from kernels.kv_append import append_kv
+from kernels.prefill_attention import paged_prefill_attention
+
+
+class _TritonPlan(NamedTuple):
+    decode: bool
+    """Every sequence has exactly one new token."""
+    max_query_len: int
+
+
+class TritonAttention:
+    """Implements kernels.attention.AttentionBackend with the Triton kernels of this package."""
+
+    def __init__(self, max_batch: int = 256) -> None:
+        self.max_batch = max_batch
+        self._workspace: DecodeWorkspace | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        max_q = meta.max_query_len
+        meta.plan = _TritonPlan(decode=max_q == 1 and min(meta.query_lens) == 1, max_query_len=max_q)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        plan: _TritonPlan = meta.plan
+        if meta.slot_mapping is not None:
+            append_kv(k, v, kv_cache, slot_mapping=meta.slot_mapping)
+        else:
+            append_kv(k, v, kv_cache, positions=meta.positions, block_tables=meta.block_tables)
+        if plan.decode:
+            workspace = self._decode_workspace(q)
+            return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, workspace=workspace)
+        return paged_prefill_attention(
+            q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, plan.max_query_len, scale
+        )
+
+    def _decode_workspace(self, q: torch.Tensor) -> DecodeWorkspace:
+        batch, num_heads, head_dim = q.shape
+        ws = self._workspace
+        if ws is None or ws.partial_out.shape[1:] != (num_heads, MAX_SPLITS, head_dim):
+            rows = max(self.max_batch, batch)
+            ws = self._workspace = DecodeWorkspace.allocate(rows, num_heads, head_dim, MAX_SPLITS, q.device)
+        if ws.partial_out.shape[0] < batch:
+            raise ValueError(f"decode batch {batch} exceeds the backend's max_batch {self.max_batch}")
+        return ws
