@@ -75,11 +75,19 @@ class CudaIpcSink(KVTransferSink):
         # Earlier work on the local pool (e.g. a copy-on-write) lands before ours.
         local_stream.wait_stream(torch.cuda.current_stream(local.device))
         with torch.cuda.stream(local_stream), torch.cuda.stream(remote_stream):
-            src = torch.tensor(src_block_ids, dtype=torch.long, device=remote.device)
-            dst = torch.tensor(dst_block_ids, dtype=torch.long, device=local.device)
-            blocks = remote.index_select(2, src)  # [num_layers, 2, len(src), block_size, kv_heads, head_dim]
-            blocks = blocks.to(local.device, non_blocking=True)  # peer copy when the GPUs differ
-            local.index_copy_(2, dst, blocks)
+            if remote.device == local.device:
+                from kernels.block_copy import copy_blocks  # NOTE: imported here: only CUDA sinks need triton
+
+                # [2, n] source and destination ids, uploaded from pinned memory on local_stream
+                ids = torch.tensor([src_block_ids, dst_block_ids], dtype=torch.long, pin_memory=True)
+                ids = ids.to(local.device, non_blocking=True)
+                copy_blocks(remote, local, ids[0], ids[1])  # one launch: every block of every layer, K and V
+            else:
+                src = torch.tensor(src_block_ids, dtype=torch.long, device=remote.device)
+                dst = torch.tensor(dst_block_ids, dtype=torch.long, device=local.device)
+                blocks = remote.index_select(2, src)  # [num_layers, 2, len(src), block_size, kv_heads, head_dim]
+                blocks = blocks.to(local.device, non_blocking=True)  # peer copy when the GPUs differ
+                local.index_copy_(2, dst, blocks)
             done = torch.cuda.Event()
             done.record(local_stream)
         done.synchronize()

@@ -1,0 +1,281 @@
+"""The block gather-copy kernel against its torch reference: small pools on CPU under the Triton interpreter (in a
+subprocess, since the interpreter flag must be set before triton is imported), and the real kernel on CUDA over
+dtypes, odd chunk sizes, large pools, a CUDA graph and the cuda_ipc transport.
+
+Pools are filled with random bytes (NaN patterns included) and compared bit for bit: the copied blocks equal the
+source's, every other destination block keeps its old bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import block_copy
+from kernels.block_copy import copy_blocks, copy_blocks_ref, tile_words, word_dtype
+from kvtransfer.layout import KVLayout
+from kvtransfer.pool import allocate_kv_pool
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class Case(NamedTuple):
+    dtype: torch.dtype
+    num_layers: int
+    block_shape: tuple[int, int, int]  # block_size, num_kv_heads, head_dim
+    src_num_blocks: int
+    dst_num_blocks: int
+    n: int
+    tile_bytes: int = block_copy.DEFAULT_TILE_BYTES
+    ids_dtype: torch.dtype = torch.int64
+
+
+CPU_CASES = [
+    Case(torch.float32, 2, (4, 2, 8), 11, 7, 5),  # 256-byte chunk: int64 words, one tile
+    Case(torch.float32, 2, (4, 2, 8), 11, 7, 1, ids_dtype=torch.int32),
+    Case(torch.float32, 2, (4, 2, 8), 6, 9, 6),  # every source block
+    Case(torch.bfloat16, 3, (4, 3, 8), 5, 13, 4, tile_bytes=64),  # 24 words in 3 even tiles
+    Case(torch.float16, 2, (1, 1, 63), 9, 8, 8, ids_dtype=torch.int32),  # 63 int16 words, one masked tile
+    Case(torch.float16, 1, (1, 1, 63), 9, 8, 3, tile_bytes=32),  # 4 tiles, the last masked
+    Case(torch.float32, 2, (1, 1, 3), 4, 4, 4),  # 12 bytes: int32 words
+    Case(torch.bfloat16, 2, (2, 2, 4), 12, 20, 0),
+]
+"""Small cases for the interpreter: fp32/bf16/fp16, int64/int32/int16 words, even and masked tiles, n 0, 1, many,
+different source and destination num_blocks, int32 and int64 ids."""
+
+
+def random_pool(shape: tuple[int, ...], dtype: torch.dtype, seed: int, device: str) -> torch.Tensor:
+    """A pool of random bytes (NaN and inf patterns included), drawn on device."""
+    gen = torch.Generator(device).manual_seed(seed)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen, device=device).view(dtype).view(shape)
+
+
+def scattered_ids(n: int, num_src: int, num_dst: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """n distinct source and n distinct destination block ids, in random order (CPU int64)."""
+    return torch.randperm(num_src, generator=gen)[:n], torch.randperm(num_dst, generator=gen)[:n]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def check_copy(
+    src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor, **kwargs: int
+) -> None:
+    """copy_blocks changes dst exactly as copy_blocks_ref does: the given blocks, bit for bit, and nothing else."""
+    expected = dst.clone()
+    copy_blocks_ref(src, expected, src_ids, dst_ids)
+    copy_blocks(src, dst, src_ids, dst_ids, **kwargs)
+    assert same_bytes(dst, expected)
+
+
+def run_case(case: Case, seed: int, device: str) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    src = random_pool((case.num_layers, 2, case.src_num_blocks, *case.block_shape), case.dtype, seed, device)
+    dst = random_pool((case.num_layers, 2, case.dst_num_blocks, *case.block_shape), case.dtype, seed + 1, device)
+    src_ids, dst_ids = scattered_ids(case.n, case.src_num_blocks, case.dst_num_blocks, gen)
+    src_ids, dst_ids = src_ids.to(device, case.ids_dtype), dst_ids.to(device, case.ids_dtype)
+    check_copy(src, dst, src_ids, dst_ids, tile_bytes=case.tile_bytes)
+
+
+def check_cpu_cases() -> None:
+    """Entry point of the interpreter subprocess; an AssertionError makes it exit non-zero."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    for i, case in enumerate(CPU_CASES):
+        run_case(case, seed=i, device="cpu")
+
+
+def test_kernel_matches_reference_under_triton_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    code = "from tests.kernels.test_block_copy import check_cpu_cases; check_cpu_cases()"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_word_is_the_widest_dividing_the_chunk_and_addresses() -> None:
+    pool = torch.zeros(64, dtype=torch.float16)
+    assert word_dtype(256, pool) == torch.int64
+    assert word_dtype(12, pool) == torch.int32
+    assert word_dtype(126, pool) == torch.int16
+    assert word_dtype(256, pool[1:]) == torch.int16  # an address 2 bytes past an aligned one
+    assert word_dtype(7, torch.zeros(8, dtype=torch.uint8)) == torch.uint8
+
+
+def test_tile_divides_the_chunk_unless_that_makes_it_small() -> None:
+    assert tile_words(4096, 2048) == 2048  # Llama-8B bf16 chunk, 16 KB tiles
+    assert tile_words(3072, 2048) == 1024  # 24 KB chunk: 3 even 8 KB tiles
+    assert tile_words(2560, 2048) == 2048  # 20 KB chunk: 4 KB would divide; two 16 KB tiles, the last masked
+    assert tile_words(24, 8) == 8
+    assert tile_words(63, 8192) == 64  # one masked tile
+    assert tile_words(32, 8192) == 32
+
+
+def test_no_blocks_launches_nothing() -> None:
+    src, dst = torch.ones(2, 2, 3, 4, 1, 8), torch.zeros(2, 2, 5, 4, 1, 8)
+    empty = torch.zeros(0, dtype=torch.int64)
+    copy_blocks(src, dst, empty, empty)  # on CPU, without the interpreter: a launch would fail
+    assert not dst.any()
+
+
+@pytest.mark.parametrize(
+    ("dst", "message"),
+    [
+        (torch.zeros(2, 2, 5, 4, 2, 8), "pools differ beyond num_blocks"),
+        (torch.zeros(2, 2, 5, 4, 1, 8, dtype=torch.float16), "dtype mismatch"),
+        (torch.zeros(2, 2, 5, 8, 1, 4).transpose(3, 5), "contiguous"),
+    ],
+)
+def test_rejects_pools_that_do_not_match(dst: torch.Tensor, message: str) -> None:
+    src, ids = torch.ones(2, 2, 3, 4, 1, 8), torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(AssertionError, match=message):
+        copy_blocks(src, dst, ids, ids)
+
+
+def test_rejects_ids_of_other_lengths_or_dtypes() -> None:
+    src, dst = torch.ones(2, 2, 3, 4, 1, 8), torch.zeros(2, 2, 5, 4, 1, 8)
+    with pytest.raises(AssertionError, match="2 source ids, 1 destination ids"):
+        copy_blocks(src, dst, torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(AssertionError, match="int32 or int64"):
+        copy_blocks(src, dst, torch.zeros(1), torch.zeros(1))
+
+
+# --- CUDA ---------------------------------------------------------------------------------------------
+
+LLAMA_8B_BLOCK = (16, 8, 128)
+"""block_size, num_kv_heads, head_dim of Llama-3-8B: a 32 KB chunk in bf16."""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("n", [1, 37, 200])
+def test_matches_reference_on_gpu(dtype: torch.dtype, ids_dtype: torch.dtype, n: int) -> None:
+    run_case(Case(dtype, 4, LLAMA_8B_BLOCK, 300, 200, n, ids_dtype=ids_dtype), seed=n, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dtype", "block_shape"),
+    [
+        (torch.bfloat16, (16, 8, 96)),  # 24 KB: three 8 KB tiles
+        (torch.float16, (16, 5, 128)),  # 20 KB: a masked second tile
+        (torch.float16, (1, 1, 63)),  # int16 words, masked
+        (torch.float32, (2, 1, 3)),  # int32 words
+        (torch.bfloat16, (32, 32, 128)),  # 256 KB: 16 tiles
+    ],
+)
+def test_odd_chunk_sizes_match_reference_on_gpu(dtype: torch.dtype, block_shape: tuple[int, int, int]) -> None:
+    run_case(Case(dtype, 3, block_shape, 70, 90, 41), seed=1, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_bytes", [256, 4096, 8192, 32768, 65536])
+def test_every_tile_size_matches_reference_on_gpu(tile_bytes: int) -> None:
+    run_case(Case(torch.bfloat16, 4, LLAMA_8B_BLOCK, 64, 48, 30, tile_bytes=tile_bytes), seed=2, device="cuda")
+
+
+@pytest.mark.gpu
+def test_misaligned_pools_fall_back_to_narrower_words_on_gpu() -> None:
+    gen = torch.Generator().manual_seed(3)
+    shape = (2, 2, 40, 16, 2, 64)
+    src_buf = random_pool((math.prod(shape) + 1,), torch.bfloat16, 3, "cuda")
+    dst_buf = random_pool((math.prod(shape) + 3,), torch.bfloat16, 4, "cuda")
+    src, dst = src_buf[1:].view(shape), dst_buf[3:].view(shape)  # 2 and 6 bytes past 16-byte alignment
+    src_ids, dst_ids = scattered_ids(17, 40, 40, gen)
+    check_copy(src, dst, src_ids.cuda(), dst_ids.cuda())
+
+
+@pytest.mark.gpu
+def test_llama_8b_layout_with_gigabyte_pools_matches_reference_on_gpu() -> None:
+    """32 layers, 2 GB source and 1.5 GB destination pools, 400 blocks (800 MB) in one launch."""
+    run_case(Case(torch.bfloat16, 32, LLAMA_8B_BLOCK, 1000, 750, 400), seed=4, device="cuda")
+
+
+@pytest.mark.gpu
+def test_pool_past_2_31_words_on_gpu() -> None:
+    """int16 words (126-byte chunks) in a 4.3 GB destination: its top blocks lie past word 2^31 (byte 2^32)."""
+    block_shape = (1, 1, 63)
+    dst_num_blocks = 2**31 // 63 // 2 + 4096
+    if torch.cuda.mem_get_info()[0] < 4 * 2 * dst_num_blocks * 63 * 2:  # dst, its clone, comparison temporaries
+        pytest.skip("needs ~18 GB of free GPU memory")
+    gen = torch.Generator().manual_seed(5)
+    src = random_pool((1, 2, 64, *block_shape), torch.float16, 5, "cuda")
+    dst = torch.full((1, 2, dst_num_blocks, *block_shape), -1.0, dtype=torch.float16, device="cuda")
+    dst_ids = torch.cat([torch.arange(dst_num_blocks - 32, dst_num_blocks), torch.arange(32)])  # top and bottom
+    check_copy(src, dst, torch.randperm(64, generator=gen).cuda(), dst_ids.cuda())
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_copies_the_ids_the_buffers_hold_on_gpu() -> None:
+    gen = torch.Generator().manual_seed(6)
+    src = random_pool((4, 2, 50, *LLAMA_8B_BLOCK), torch.bfloat16, 6, "cuda")
+    dst = random_pool((4, 2, 60, *LLAMA_8B_BLOCK), torch.bfloat16, 7, "cuda")
+    src_ids, dst_ids = (ids.cuda() for ids in scattered_ids(9, 50, 60, gen))
+    copy_blocks(src, dst, src_ids, dst_ids)  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        copy_blocks(src, dst, src_ids, dst_ids)
+    new_src, new_dst = scattered_ids(9, 50, 60, gen)
+    src_ids.copy_(new_src)
+    dst_ids.copy_(new_dst)
+    expected = dst.clone()
+    copy_blocks_ref(src, expected, new_src.cuda(), new_dst.cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same_bytes(dst, expected)
+
+
+# --- the cuda_ipc transport ---------------------------------------------------------------------------
+
+LAYOUT = KVLayout(
+    model="tiny", dtype="bfloat16", block_size=16, num_layers=4, num_kv_heads=8, head_dim=128, num_blocks=96
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_cuda_ipc_sink_copies_through_the_kernel_on_one_gpu(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CudaIpcSink._copy with the remote pool on the local pool's GPU: one copy_blocks launch, exact blocks,
+    complete when it returns (the check runs on another stream with no synchronization)."""
+    from kvtransfer.cuda_ipc import CudaIpcSink
+
+    launches = []
+
+    def counting_copy_blocks(*args: torch.Tensor) -> None:
+        launches.append(args[2].numel())
+        copy_blocks(*args)
+
+    monkeypatch.setattr(block_copy, "copy_blocks", counting_copy_blocks)
+    layout = replace(LAYOUT, dtype=dtype)
+    remote = random_pool(layout.shape, layout.torch_dtype, 7, "cuda")
+    local = allocate_kv_pool(replace(layout, num_blocks=40), "cuda:0", shared=False)
+    before = local.tensor.clone()
+    sink = CudaIpcSink(local, local.layout)
+    src, dst = [95, 3, 17, 8, 0, 22, 41], [1, 39, 5, 6, 12, 2, 30]
+    sink._copy(remote, src, dst)
+    assert launches == [len(src)]
+    copy_blocks_ref(remote, before, torch.tensor(src).cuda(), torch.tensor(dst).cuda())
+    assert same_bytes(local.tensor, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cuda_ipc_pull_across_processes_on_one_gpu(dtype: str) -> None:
+    """A sink in a spawned process maps the pool by IPC handle and pulls through the kernel."""
+    from tests.gpu.test_kvtransfer_cuda import check_pull
+
+    check_pull(dtype, "cuda:0", "cuda:0")
