@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -19,9 +20,8 @@ from core.scheduler import Scheduler, StepPlan
 from kernels.attention import AttentionBackend
 
 
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request."""
+class RequestOutput(NamedTuple):
+    """What one step produced for one request (a NamedTuple: one is built per request per step)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -146,8 +146,9 @@ class Engine:
         if not sampled:
             return []
         tokens = self.sampler.sample(rows, [r.sampling for r, _ in sampled]).tolist()
+        # NOTE: only a prompt's first token may cache its logits row; other rows are never sliced out.
         return [
-            self._accept(req, token, rows[i] if computed else None)
+            self._accept(req, token, rows[i] if computed and req.num_output_tokens == 0 else None)
             for i, ((req, computed), token) in enumerate(zip(sampled, tokens, strict=True))
         ]
 
@@ -172,6 +173,8 @@ class Engine:
             self.stats.num_full_hits += 1
             sampled.append((req, False))
             parts.append(row[None])
+        if len(parts) == 1:
+            return sampled, parts[0]
         return sampled, torch.cat(parts) if parts else torch.empty(0)
 
     def _accept(self, req: Request, token: int, row: torch.Tensor | None) -> RequestOutput:

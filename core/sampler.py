@@ -7,6 +7,7 @@ can resume a stream that a prefill process started without any generator state c
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,10 +35,9 @@ class SamplingState:
     num_generated: int = 0
     """New tokens generated so far (the first token counts)."""
 
-    def stop_ids(self) -> tuple[int, ...]:
+    def stop_ids(self) -> frozenset[int]:
         """Token ids that finish the request: eos ids (unless ignore_eos) and params.stop_token_ids."""
-        eos = () if self.params.ignore_eos else self.eos_token_ids
-        return eos + self.params.stop_token_ids
+        return _stop_ids(self.params.ignore_eos, self.eos_token_ids, self.params.stop_token_ids)
 
     def needs_stop_mask(self) -> bool:
         """Whether the next token must not be a stop id (fewer than min_tokens exist yet)."""
@@ -53,6 +53,11 @@ class SamplingState:
         if self.num_generated >= self.params.max_tokens:
             return "length"
         return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _stop_ids(ignore_eos: bool, eos_token_ids: tuple[int, ...], stop_token_ids: tuple[int, ...]) -> frozenset[int]:
+    return frozenset(stop_token_ids if ignore_eos else eos_token_ids + stop_token_ids)
 
 
 def _splitmix64(x: int) -> int:

@@ -95,7 +95,27 @@ def bench_engine(folder: Path, prompts: list[list[int]], new_tokens: int, repeat
         return sum(len(t) for t in engine.generate(prompts, params))
 
     timed(run, 1)
-    return timed(run, repeats)
+    rates = timed(run, repeats)
+    if engine.runner.graphs is not None:
+        GRAPH_STEP_MS[len(prompts)] = replay_ms(engine, len(prompts))
+    return rates
+
+
+GRAPH_STEP_MS: dict[int, float] = {}
+"""GPU time of one captured decode step by batch size (the floor under the engine's host work)."""
+
+
+def replay_ms(engine: Engine, batch: int, repeats: int = 200) -> float:
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graphs.replay(batch)
+    start.record()
+    for _ in range(repeats):
+        graphs.replay(batch)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
 
 
 def main() -> int:
@@ -121,9 +141,12 @@ def main() -> int:
         "median_tok_per_s": median,
         "runs_tok_per_s": rows,
         "ratio_vs_transformers": {k: v / base for k, v in median.items()},
+        "graph_step_ms_by_batch": GRAPH_STEP_MS,
+        "engine_step_ms": 1e3 * args.requests / median["pdserve-cuda-graphs"],
     }
     for k, v in median.items():
         print(f"{k:22s} {v:10.0f} tok/s  x{v / base:5.2f}")
+    print(f"decode step: engine {result['engine_step_ms']:.3f} ms, graph replay alone {GRAPH_STEP_MS} ms")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

@@ -5,10 +5,12 @@ Checkpoints store Conv1D weights as [in, out]; they are transposed into nn.Linea
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
@@ -34,12 +36,19 @@ class GPT2Attention(nn.Module):
         return self.c_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """HF's activation by name; the tanh-approximate GELU as one fused kernel (HF's gelu_new takes ~7)."""
+    if name in ("gelu_new", "gelu_pytorch_tanh"):
+        return functools.partial(F.gelu, approximate="tanh")
+    return ACT2FN[name]  # type: ignore[no-any-return]
+
+
 class GPT2MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.c_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = ACT2FN[cfg.hf_config.activation_function]
+        self.act = activation(cfg.hf_config.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(x)))

@@ -24,11 +24,11 @@ def _logits(batch: int, vocab: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_stop_ids_include_eos_and_stop_token_ids() -> None:
-    assert _state(eos=(3, 4), stop_token_ids=(7,)).stop_ids() == (3, 4, 7)
+    assert _state(eos=(3, 4), stop_token_ids=(7,)).stop_ids() == {3, 4, 7}
 
 
 def test_ignore_eos_removes_eos_from_stop_ids() -> None:
-    assert _state(eos=(3, 4), stop_token_ids=(7,), ignore_eos=True).stop_ids() == (7,)
+    assert _state(eos=(3, 4), stop_token_ids=(7,), ignore_eos=True).stop_ids() == {7}
 
 
 def test_check_stop_counts_and_returns_none_for_ordinary_token() -> None:
