@@ -20,6 +20,8 @@ from core.messages import HeartbeatEvent, Message
 
 log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
+PENDING_POLL_MS = 1
+"""Poll timeout of an idle loop while has_pending_work(): short, so that work is not held up a heartbeat."""
 
 
 class WorkerBase:
@@ -50,6 +52,11 @@ class WorkerBase:
 
     def after_step(self) -> None:
         """Per-iteration housekeeping (lease expiry, retries)."""
+
+    def has_pending_work(self) -> bool:
+        """Whether after_step has something to finish soon (e.g. releases of copies in flight): the loop then
+        polls every PENDING_POLL_MS instead of idling for a heartbeat interval."""
+        return False
 
     def step_engine(self) -> None:
         raise NotImplementedError
@@ -112,8 +119,7 @@ class WorkerBase:
         log.info("%s worker %d ready (pid %d)", self.role, self.worker_id, os.getpid())
         self._heartbeat_thread.start()
         while not self._stopping:
-            timeout = 0 if self.engine.has_unfinished() else int(self.heartbeat_interval * 1000)
-            for sock, _ in self.poller.poll(timeout):
+            for sock, _ in self.poller.poll(self._poll_timeout_ms()):
                 if sock is self.inbox:
                     for msg in ipc.recv_all(self.inbox):
                         self._safe_handle(msg)
@@ -123,6 +129,11 @@ class WorkerBase:
                 self.step_engine()
             self.after_step()
         self.close()
+
+    def _poll_timeout_ms(self) -> int:
+        if self.engine.has_unfinished():
+            return 0
+        return PENDING_POLL_MS if self.has_pending_work() else int(self.heartbeat_interval * 1000)
 
     def _safe_handle(self, msg: Message) -> None:
         try:

@@ -1,4 +1,8 @@
-"""Decode worker: adopts handed-off requests, pulls their KV blocks, releases them, decodes and streams."""
+"""Decode worker: adopts handed-off requests, pulls their KV blocks, releases them, decodes and streams.
+
+NOTE: a pull only enqueues the copy (kvtransfer.base): the request decodes at once, its lease is released
+once the copy is done (polled every loop iteration), or at once when the pull failed.
+"""
 
 from __future__ import annotations
 
@@ -31,18 +35,29 @@ from core.messages import (
 )
 from core.sampler import SamplingState
 from core.worker_base import WorkerBase
-from kvtransfer.base import KVTransferSink, make_sink
+from kvtransfer.base import KVTransferSink, PullHandle, make_sink
 from kvtransfer.layout import KVLayout
 from kvtransfer.pool import KVPool, allocate_kv_pool
 
 log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_MS = 10_000
 RECENT_ABORTS = 4096
+CLOSE_LINGER_MS = 100
+"""How long the releases sent at shutdown may take to leave."""
+CLOSE_SEND_WAIT_MS = 20
+"""How long a release at shutdown waits for its prefill worker's connection (a dead one costs this much)."""
 
 
 class _Peer(NamedTuple):
     pool_id: str
     release: zmq.Socket
+
+
+class _PendingRelease(NamedTuple):
+    """A handoff whose blocks are being copied: its lease is released once handle is done."""
+
+    handle: PullHandle
+    cmd: HandoffCmd
 
 
 class DecodeWorker(WorkerBase):
@@ -72,6 +87,7 @@ class DecodeWorker(WorkerBase):
         ]
         self.peers: dict[int, str] = {}  # prefill worker -> pool_id opened
         self.waiting: deque[HandoffCmd] = deque()  # handoffs that found no room yet (still leased)
+        self.releasing: list[_PendingRelease] = []  # adopted handoffs whose copies are in flight (still leased)
         self.aborted: OrderedDict[str, None] = OrderedDict()  # recent aborts, for handoffs that race them
         self.num_blocks_pulled: int = 0
         self.timings: dict[str, Timings] = {}  # handed-off requests whose first decode event is not out yet
@@ -82,7 +98,12 @@ class DecodeWorker(WorkerBase):
         return self.kv_pool.tensor
 
     def counters(self) -> dict[str, int]:
-        return {**super().counters(), "blocks_pulled": self.num_blocks_pulled, "handoffs_waiting": len(self.waiting)}
+        return {
+            **super().counters(),
+            "blocks_pulled": self.num_blocks_pulled,
+            "handoffs_waiting": len(self.waiting),
+            "releases_pending": len(self.releasing),
+        }
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, HandoffCmd):
@@ -104,7 +125,24 @@ class DecodeWorker(WorkerBase):
             self._release(cmd)
 
     def after_step(self) -> None:
+        self._release_copied()
         self._admit_waiting()
+
+    def has_pending_work(self) -> bool:
+        return bool(self.releasing)
+
+    def _release_copied(self) -> None:
+        """ReleaseCmd for each handoff whose copy is done (NOTE: never earlier: the prefill worker reuses the
+        blocks once released). An aborted request's lease waits for its copy too."""
+        if not self.releasing:
+            return
+        in_flight = []
+        for pending in self.releasing:
+            if pending.handle.done():
+                self._release(pending.cmd)
+            else:
+                in_flight.append(pending)
+        self.releasing = in_flight
 
     def _admit_waiting(self) -> None:
         while self.waiting:
@@ -131,19 +169,38 @@ class DecodeWorker(WorkerBase):
             return False
         try:
             self._ensure_peer(cmd.prefill_worker, cmd.pool_id)
-            self.sink.pull(cmd.prefill_worker, cmd.block_ids[: len(dst)], dst)
+            handle = self.sink.pull(cmd.prefill_worker, cmd.block_ids[: len(dst)], dst)
         except Exception as exc:
             log.exception("KV pull from prefill worker %d failed", cmd.prefill_worker)
             self.engine.abort(cmd.request_id)
             ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "UNAVAILABLE", f"KV transfer failed: {exc}"))
+            self._release(cmd)
+            return True
+        self.num_blocks_pulled += len(dst)
+        self.timings[cmd.request_id] = dataclasses.replace(cmd.timings, handoff_end=time.time())
+        if handle.done():  # shm: the copy was synchronous
+            self._release(cmd)
         else:
-            self.num_blocks_pulled += len(dst)
-            self.timings[cmd.request_id] = dataclasses.replace(cmd.timings, handoff_end=time.time())
-        self._release(cmd)
+            self.releasing.append(_PendingRelease(handle, cmd))
         return True
 
-    def _release(self, cmd: HandoffCmd) -> None:
-        ipc.send(self.to_prefill[cmd.prefill_worker], ReleaseCmd(self.worker_id, [cmd.lease_id]))
+    def _release(self, cmd: HandoffCmd, wait_ms: int = 200) -> None:
+        ipc.send(self.to_prefill[cmd.prefill_worker], ReleaseCmd(self.worker_id, [cmd.lease_id]), wait_ms)
+
+    def close(self) -> None:
+        """Wait for the copies in flight (milliseconds) and release their leases before the sockets go; a
+        release that is lost anyway is reclaimed by the prefill worker when the lease expires."""
+        for pending in self.releasing:
+            try:
+                pending.handle.wait()
+            except RuntimeError:  # NOTE: a broken CUDA context: leave the lease to expire
+                log.exception("waiting for the KV pull of %s failed", pending.cmd.request_id)
+                continue
+            self._release(pending.cmd, wait_ms=CLOSE_SEND_WAIT_MS)
+        self.releasing.clear()
+        for sock in self.to_prefill:
+            sock.close(linger=CLOSE_LINGER_MS)
+        super().close()
 
     def _ensure_peer(self, prefill_worker: int, pool_id: str) -> None:
         """Handshake with a prefill worker once per pool (again after it restarted)."""

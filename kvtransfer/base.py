@@ -7,12 +7,23 @@ half (which blocks are lent to which decode worker, until when). The protocol be
    `HandshakeEvent(descriptor=source.descriptor())`.
 2. decode: `sink.open(prefill_worker, descriptor, remote_fingerprint)`, once per prefill pool; the sink
    checks the layouts again and maps the remote pool (cached until `close`).
-3. per handed-off request: `sink.pull(prefill_worker, src_block_ids, dst_block_ids)`, then `ReleaseCmd`.
+3. per handed-off request: `handle = sink.pull(prefill_worker, src_block_ids, dst_block_ids)`; the request
+   may be scheduled at once; `ReleaseCmd` once `handle.done()` is True, never before.
 
 NOTE: a source announces blocks (HandoffCmd) only after the writes into them have finished; the prefill
 worker guarantees it by reading the sampled first token on the host, which waits for the forward pass.
-NOTE: `pull` is synchronous: when it returns the bytes are in the local pool (on CUDA its copy stream has
-been synchronized), so the caller may release the lease at once.
+NOTE: when the pulled bytes are usable. `pull` enqueues the copy and returns a PullHandle without blocking
+the host on the GPU:
+- shm: the copy is synchronous; the bytes are in the local pool when pull returns and done() is True.
+- cuda_ipc: the copy runs on the sink's own stream, after the work already queued on the caller's current
+  stream of the local pool's device; before returning, pull makes that current stream wait on the copy's
+  event (a device-side wait). Work enqueued later on that stream (the engine's forward passes and CUDA
+  graph replays, which run on it) sees the bytes, so the engine may schedule the request at once. Work on
+  other streams and host reads of the local pool must first see done() True (or call wait()). Later pulls
+  run on the same sink stream, so the destination blocks of an aborted request may be reused at once.
+NOTE: the source blocks are read until done() is True. The lease may be released (ReleaseCmd) only then:
+after the release the prefill worker may overwrite or reallocate them. Until then the handle keeps alive
+what the copy reads (id tensors, pinned host buffers, the remote pool's mapping).
 """
 
 from __future__ import annotations
@@ -63,6 +74,35 @@ class KVTransferSource(ABC):
         """The transport's fields of the descriptor."""
 
 
+class PullHandle:
+    """The completion of one pull: done() once the copy has finished (at once for a synchronous copy).
+
+    Until then it holds what the copy reads (NOTE: freeing a pinned id buffer or unmapping the remote pool
+    under a queued copy would corrupt it); both are dropped once the copy is seen done.
+    """
+
+    def __init__(self, event: torch.cuda.Event | None = None, keep_alive: tuple[torch.Tensor, ...] = ()) -> None:
+        self._event = event  # recorded on the sink's stream after the copy; None: nothing in flight
+        self._keep_alive = keep_alive
+
+    def done(self) -> bool:
+        """Whether the copy has finished; never blocks (queries the copy's event)."""
+        if self._event is not None and not self._event.query():
+            return False
+        self._finish()
+        return True
+
+    def wait(self) -> None:
+        """Block the host until the copy has finished (shutdown paths; the serving loop polls done())."""
+        if self._event is not None:
+            self._event.synchronize()
+        self._finish()
+
+    def _finish(self) -> None:
+        self._event = None
+        self._keep_alive = ()
+
+
 class _Remote(NamedTuple):
     descriptor: dict[str, Any]
     layout: KVLayout
@@ -111,16 +151,19 @@ class KVTransferSink(ABC):
         self._remotes[prefill_worker] = _Remote(dict(descriptor), remote_layout, tensor)
 
     @torch.inference_mode()
-    def pull(self, prefill_worker: int, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+    def pull(self, prefill_worker: int, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
         """Copy blocks src_block_ids of prefill_worker's pool into dst_block_ids of the local pool, K and V of
-        every layer; returns once the data is in the local pool. KVTransferError when prefill_worker is
-        not open or the ids are out of range, of different lengths, or repeat a destination."""
+        every layer. Returns once the copy is enqueued and ordered before later work on the caller's current
+        stream (see the module's NOTE); the lease may be released once the handle is done(). KVTransferError
+        when prefill_worker is not open or the ids are out of range, of different lengths, or repeat a
+        destination (nothing is copied then)."""
         remote = self._remotes.get(prefill_worker)
         if remote is None:
             raise KVTransferError(f"prefill worker {prefill_worker} is not open")
         _check_block_ids(src_block_ids, dst_block_ids, remote.layout.num_blocks, self.layout.num_blocks)
-        if src_block_ids:
-            self._copy(remote.tensor, src_block_ids, dst_block_ids)
+        if not src_block_ids:
+            return PullHandle()
+        return self._copy(remote.tensor, src_block_ids, dst_block_ids)
 
     def close(self, prefill_worker: int) -> None:
         """Drop the mapping of prefill_worker's pool (no-op if not open)."""
@@ -146,8 +189,9 @@ class KVTransferSink(ABC):
         """Map the remote pool; the result has remote_layout's shape and dtype."""
 
     @abstractmethod
-    def _copy(self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
-        """local[:, :, dst] = remote[:, :, src] (ids already checked), complete on return."""
+    def _copy(self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
+        """local[:, :, dst] = remote[:, :, src] (ids already checked): done, or enqueued and ordered before
+        the caller's current stream, on return; the handle tells when the source blocks are no longer read."""
 
 
 def make_source(kind: str, pool: KVPool) -> KVTransferSource:

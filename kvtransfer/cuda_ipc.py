@@ -9,6 +9,8 @@ NOTE: the GPU is named by UUID in the descriptor, so the two processes may numbe
 (CUDA_VISIBLE_DEVICES); the source's GPU must be visible to the sink. Mapping a handle creates a CUDA
 context on the source's GPU in the sink process. When the GPUs differ, the gathered blocks cross with a
 peer copy (staged through the host by CUDA where peer access is not supported).
+NOTE: pulls are asynchronous: the copy runs on the sink's stream and the caller's current stream waits on
+its event on the GPU; the host only ever queries that event (PullHandle.done), see kvtransfer.base.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, descriptor_field
+from kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, PullHandle, descriptor_field
 from kvtransfer.layout import KVLayout
 from kvtransfer.pool import KVPool
 
@@ -50,8 +52,8 @@ class CudaIpcSource(KVTransferSource):
 
 
 class CudaIpcSink(KVTransferSink):
-    """Copies blocks from mapped CUDA pools into a local CUDA pool on the sink's own streams, then waits
-    for the copy (pull is synchronous)."""
+    """Copies blocks from mapped CUDA pools into a local CUDA pool on the sink's own streams; the caller's
+    current stream waits on the copy's event, the host does not (pull returns a handle to poll)."""
 
     transport = "cuda_ipc"
 
@@ -69,28 +71,47 @@ class CudaIpcSink(KVTransferSink):
         flat = torch.empty((0,), dtype=remote_layout.torch_dtype, device=storage.device).set_(storage)
         return flat[: remote_layout.nbytes // remote_layout.torch_dtype.itemsize].view(remote_layout.shape)
 
-    def _copy(self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+    def _copy(self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
         local = self.local_pool.tensor
         local_stream, remote_stream = self._stream(local.device), self._stream(remote.device)
+        compute_stream = torch.cuda.current_stream(local.device)
         # Earlier work on the local pool (e.g. a copy-on-write) lands before ours.
-        local_stream.wait_stream(torch.cuda.current_stream(local.device))
+        local_stream.wait_stream(compute_stream)
         with torch.cuda.stream(local_stream), torch.cuda.stream(remote_stream):
             if remote.device == local.device:
-                from kernels.block_copy import copy_blocks  # NOTE: imported here: only CUDA sinks need triton
-
-                # [2, n] source and destination ids, uploaded from pinned memory on local_stream
-                ids = torch.tensor([src_block_ids, dst_block_ids], dtype=torch.long, pin_memory=True)
-                ids = ids.to(local.device, non_blocking=True)
-                copy_blocks(remote, local, ids[0], ids[1])  # one launch: every block of every layer, K and V
+                keep_alive = self._gather_copy(remote, src_block_ids, dst_block_ids)
             else:
-                src = torch.tensor(src_block_ids, dtype=torch.long, device=remote.device)
-                dst = torch.tensor(dst_block_ids, dtype=torch.long, device=local.device)
-                blocks = remote.index_select(2, src)  # [num_layers, 2, len(src), block_size, kv_heads, head_dim]
-                blocks = blocks.to(local.device, non_blocking=True)  # peer copy when the GPUs differ
-                local.index_copy_(2, dst, blocks)
+                keep_alive = self._peer_copy(remote, src_block_ids, dst_block_ids)
             done = torch.cuda.Event()
             done.record(local_stream)
-        done.synchronize()
+        compute_stream.wait_event(done)  # NOTE: a GPU-side wait: later work on the pool sees the blocks
+        return PullHandle(done, (remote, *keep_alive))
+
+    def _gather_copy(
+        self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> tuple[torch.Tensor, ...]:
+        """One copy_blocks launch (every block of every layer, K and V) on the current (sink) stream; returns
+        the id buffers it reads."""
+        from kernels.block_copy import copy_blocks  # NOTE: imported here: only CUDA sinks need triton
+
+        local = self.local_pool.tensor
+        # [2, n] source and destination ids, uploaded from pinned memory on the sink stream
+        ids_cpu = torch.tensor([src_block_ids, dst_block_ids], dtype=torch.long, pin_memory=True)
+        ids_gpu = ids_cpu.to(local.device, non_blocking=True)
+        copy_blocks(remote, local, ids_gpu[0], ids_gpu[1])
+        return ids_cpu, ids_gpu
+
+    def _peer_copy(
+        self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> tuple[torch.Tensor, ...]:
+        """Gather on the remote GPU, cross with a peer copy, scatter on ours (current streams: the sink's)."""
+        local = self.local_pool.tensor
+        src = torch.tensor(src_block_ids, dtype=torch.long, device=remote.device)
+        dst = torch.tensor(dst_block_ids, dtype=torch.long, device=local.device)
+        blocks = remote.index_select(2, src)  # [num_layers, 2, len(src), block_size, kv_heads, head_dim]
+        blocks_local = blocks.to(local.device, non_blocking=True)  # peer copy when the GPUs differ
+        local.index_copy_(2, dst, blocks_local)
+        return src, dst, blocks, blocks_local
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, descriptor_field
+from kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, PullHandle, descriptor_field
 from kvtransfer.layout import KVLayout
 from kvtransfer.pool import KVPool, attach_shm_pool
 
@@ -29,7 +29,7 @@ class ShmSource(KVTransferSource):
 
 class ShmSink(KVTransferSink):
     """Copies blocks from mapped shared-memory pools into a local CPU pool, one index_select/index_copy_
-    over the block dim of the whole pool per pull."""
+    over the block dim of the whole pool per pull; synchronous, so every handle is done at once."""
 
     transport = "shm"
 
@@ -47,8 +47,9 @@ class ShmSink(KVTransferSink):
         except ValueError as exc:
             raise KVTransferError(str(exc)) from None
 
-    def _copy(self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+    def _copy(self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
         src = torch.tensor(src_block_ids, dtype=torch.long)
         dst = torch.tensor(dst_block_ids, dtype=torch.long)
         blocks = remote.index_select(2, src)  # [num_layers, 2, len(src), block_size, num_kv_heads, head_dim]
         self.local_pool.tensor.index_copy_(2, dst, blocks)
+        return PullHandle()

@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig 
 from core.engine import Engine  # noqa: E402
 from core.sampling_params import SamplingParams  # noqa: E402
 
-GPT2_124M = dict(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024)
+GPT2_124M: dict[str, Any] = dict(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024)
 
 
 def write_config(folder: Path) -> Path:

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig 
 from core.engine import Engine  # noqa: E402
 from core.sampling_params import SamplingParams  # noqa: E402
 
-SHAPE = dict(
+SHAPE: dict[str, Any] = dict(
     hidden_size=2048,
     num_hidden_layers=16,
     num_attention_heads=32,
@@ -74,7 +75,24 @@ def bench_engine(folder: Path, tokens: int, repeats: int, backend: str) -> list[
         engine.generate([prompt], one)
 
     time_cuda(run, 3)
-    return time_cuda(run, repeats)
+    times = time_cuda(run, repeats)
+    if PROFILE:
+        print_profile(f"pdserve-{backend}", run)
+    return times
+
+
+PROFILE = False
+
+
+def print_profile(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+    """The GPU kernels of one call, by total time (to see where a prefill's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"==== {name}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
 
 
 def bench_transformers(folder: Path, tokens: int, repeats: int) -> list[float]:
@@ -97,7 +115,10 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=4000)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true", help="print each engine run's top GPU kernels")
     args = p.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     folder = write_config(Path(tempfile.mkdtemp()))
     hf = bench_transformers(folder, args.tokens, args.repeats)
     rows = {"transformers": hf}

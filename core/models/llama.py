@@ -17,6 +17,7 @@ from core.config import ModelConfig
 from core.models.loading import copy_weights
 from core.models.rope import RotaryEmbedding
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.fused_ops import rms_norm, silu_and_mul
 
 
 class RMSNorm(nn.Module):
@@ -25,12 +26,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: same op order as transformers (normalize in fp32, cast, then scale) so fp32 matches bit for bit.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with residual, (norm(x + residual), x + residual) in one fused pass on CUDA.
+
+        NOTE: same op order as transformers (normalize in fp32, cast, then scale) so fp32 on CPU matches bit for
+        bit; see kernels/fused_ops.py.
+        """
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -73,9 +79,11 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.act = ACT2FN[hf.hidden_act]
+        self.fused_silu = hf.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)  # [num_tokens, intermediate] each
+        return self.down_proj(silu_and_mul(gate, up) if self.fused_silu else self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,14 +97,25 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output (the embeddings for layer 0)
+        residual: torch.Tensor | None,  # [num_tokens, hidden]: the stream before x was added; None for layer 0
         positions: torch.Tensor,
         rope: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before it): each norm folds in the pending residual add (as vLLM).
+
+        NOTE: the stream is summed as transformers sums it (x + sublayer(x), and + commutes exactly), so fp32
+        on CPU stays bit-identical.
+        """
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -127,10 +146,13 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
+        residual: torch.Tensor | None = None
         rope = self.model.rotary_emb
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, rope, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, rope, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.model.norm(x)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -48,13 +49,58 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str | None, torch.Ten
     return loaded
 
 
+DUMMY_CHUNK = 1 << 24
+"""Elements hashed per pass (bounds the int64 scratch: 128 MiB)."""
+_M64 = (1 << 64) - 1
+
+
+def _int64(x: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 torch holds (same bits)."""
+    x &= _M64
+    return x - (1 << 64) if x >> 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = (_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _splitmix64(x: int) -> int:
+    """splitmix64's finalizer on a Python int (a parameter's stream key)."""
+    z = (x * 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch shifts arithmetically)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def hash_uniform_(out: torch.Tensor, key: int, low: float, high: float) -> None:
+    """Fill out with uniforms in [low, high) drawn by splitmix64 of (key, element index): the same values on
+    every device, whatever its SM count.
+
+    NOTE: not torch's CUDA generator: its values depend on the launch grid, hence on the number of SMs, which
+    an MPS SM share changes, so two processes drawing "the same" seeded weights would disagree.
+    """
+    flat = out.view(-1)  # NOTE: parameters are contiguous
+    for start in range(0, flat.numel(), DUMMY_CHUNK):
+        end = min(flat.numel(), start + DUMMY_CHUNK)
+        z = torch.arange(start, end, dtype=torch.int64, device=out.device) * _GOLDEN + _int64(key)
+        z = (z ^ _shr(z, 30)) * _MIX1
+        z = (z ^ _shr(z, 27)) * _MIX2
+        z = z ^ _shr(z, 31)
+        unit = _shr(z, 40).to(torch.float32) * (1.0 / (1 << 24))  # [end - start] in [0, 1)
+        flat[start:end] = (low + (high - low) * unit).to(out.dtype)
+
+
 def fill_dummy(model: nn.Module, seed: int) -> None:
-    """Seeded random weights for benchmarks: norms at 1, everything else small uniform noise."""
-    device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
+    """Seeded random weights for benchmarks: norms at 1, everything else small uniform noise, a function of
+    (seed, parameter name, element index) only."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
                 param.fill_(1.0)
             else:
-                param.uniform_(-1e-2, 1e-2, generator=gen)
+                key = _splitmix64((seed << 32) | zlib.crc32(name.encode()))
+                hash_uniform_(param, key, -1e-2, 1e-2)

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels.fused_ops import apply_rope
+
 
 def _rope_type_and_theta(hf: Any) -> tuple[str, float]:
     params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
@@ -48,12 +50,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens]; q [num_tokens, heads, head_dim]; k [num_tokens, kv_heads, head_dim]."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """positions [num_tokens]; q [num_tokens, heads, head_dim]; k [num_tokens, kv_heads, head_dim].
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        New tensors; the tables are cast to q's dtype first, as transformers does (kernels/fused_ops.py).
+        """
+        return apply_rope(positions, q, k, self.cos, self.sin)

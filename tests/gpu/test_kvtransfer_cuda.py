@@ -1,9 +1,12 @@
 """The cuda_ipc transport: a sink in another process (spawned) maps the source's pool by CUDA IPC handle
-and pulls exact blocks, on the same GPU and, with two GPUs, across them; mismatched layouts are refused."""
+and pulls exact blocks, on the same GPU and, with two GPUs, across them; mismatched layouts are refused.
+Pulls are asynchronous: pull returns before the copy has run, the current stream is ordered after it (reads
+on it need no synchronize of the sink's stream), and the handle becomes done."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 import traceback
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -15,6 +18,7 @@ import torch
 
 from core.messages import HandshakeEvent, decode, encode
 from kvtransfer.base import make_sink, make_source
+from kvtransfer.cuda_ipc import CudaIpcSink
 from kvtransfer.layout import KVLayout, LayoutMismatchError
 from kvtransfer.pool import KVPool, allocate_kv_pool
 
@@ -39,8 +43,9 @@ def _sink_main(handshake_frame: bytes, device: str, conn: Connection) -> None:
         local = allocate_kv_pool(layout, device, shared=False)
         sink = make_sink("cuda_ipc", local, layout)
         sink.open(0, desc, layout.fingerprint())
-        sink.pull(0, SRC, DST)
-        pulled = local.tensor.float().cpu().numpy()
+        handle = sink.pull(0, SRC, DST)
+        pulled = local.tensor.float().cpu().numpy()  # on the current stream: ordered after the copy by pull
+        assert handle.done()  # the read above waited for the copy's event on the GPU
         sink.close_all()
         conn.send(("ok", pulled))
     except BaseException:
@@ -112,3 +117,65 @@ def test_mismatching_fingerprint_is_refused_before_mapping() -> None:
     with pytest.raises(LayoutMismatchError, match="dtype bfloat16 != float32"):
         sink.open(0, desc)
     assert not sink.is_open(0)
+
+
+# --- asynchronous pulls (in this process: CUDA IPC cannot map its own exports) ---------------------------
+
+SLEEP_CYCLES = 2_000_000_000
+"""GPU spin (~1 s at 2 GHz) queued before a pull: the copy cannot start before it ends."""
+
+
+class InProcessSink(CudaIpcSink):
+    """A cuda_ipc sink whose 'remote' pool is a tensor of this process; open and pull are the real ones."""
+
+    def __init__(self, local_pool: KVPool, remote: torch.Tensor) -> None:
+        super().__init__(local_pool, local_pool.layout)
+        self.remote = remote
+
+    def _attach(self, descriptor: dict[str, Any], remote_layout: KVLayout) -> torch.Tensor:
+        assert tuple(self.remote.shape) == remote_layout.shape
+        return self.remote
+
+
+def open_in_process(source: KVPool) -> tuple[InProcessSink, KVPool]:
+    local = allocate_kv_pool(replace(source.layout, num_blocks=SINK_BLOCKS), "cuda:0", shared=False)
+    sink = InProcessSink(local, source.tensor)
+    layout = source.layout
+    desc = {"transport": "cuda_ipc", "fingerprint": layout.fingerprint(), "num_blocks": layout.num_blocks}
+    sink.open(0, {**desc, "shape": list(layout.shape)})
+    return sink, local
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_pull_returns_before_the_copy_and_orders_the_current_stream_after_it(dtype: str) -> None:
+    source = filled_source(replace(LAYOUT, dtype=dtype), "cuda:0")
+    sink, local = open_in_process(source)
+    sink.pull(0, SRC, DST).wait()  # warm-up: compiles the kernel, caches pinned memory
+    local.tensor.zero_()
+    torch.cuda._sleep(SLEEP_CYCLES)  # on the current stream; the sink's stream waits for it
+    start = time.perf_counter()
+    handle = sink.pull(0, SRC, DST)
+    elapsed = time.perf_counter() - start
+    assert not handle.done(), f"pull returned after the copy ({elapsed * 1e3:.1f} ms): the host waited"
+    pulled = local.tensor.float().cpu()  # current stream, no synchronize of the sink's stream
+    assert handle.done()  # the read waited for the copy's event on the GPU, so it has completed
+    expected = source.tensor.float().cpu()
+    assert torch.equal(pulled[:, :, DST], expected[:, :, SRC])
+    untouched = [b for b in range(SINK_BLOCKS) if b not in DST]
+    assert not pulled[:, :, untouched].any()
+
+
+def test_pull_handle_becomes_done_and_the_blocks_are_exact_on_the_current_stream() -> None:
+    """A larger pull (every block of a 32-layer pool, 21 MB) with nothing gating it: done() turns True by
+    polling alone, and a read on the current stream right after pull sees every block."""
+    layout = replace(LAYOUT, num_blocks=SINK_BLOCKS, num_layers=32)
+    source = filled_source(layout, "cuda:0")
+    sink, local = open_in_process(source)
+    src, dst = list(range(SINK_BLOCKS))[::-1], list(range(SINK_BLOCKS))
+    handle = sink.pull(0, src, dst)
+    copied = local.tensor.clone()  # on the current stream, ordered after the copy by pull
+    deadline = time.monotonic() + 30
+    while not handle.done():
+        assert time.monotonic() < deadline, "the copy's event never completed"
+        time.sleep(0.001)
+    assert torch.equal(copied, source.tensor.flip(2))

@@ -250,7 +250,8 @@ LAYOUT = KVLayout(
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_cuda_ipc_sink_copies_through_the_kernel_on_one_gpu(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaIpcSink._copy with the remote pool on the local pool's GPU: one copy_blocks launch, exact blocks,
-    complete when it returns (the check runs on another stream with no synchronization)."""
+    ordered before the current stream (the check runs on it without synchronizing the sink's stream), then the
+    handle is done."""
     from kvtransfer.cuda_ipc import CudaIpcSink
 
     launches = []
@@ -266,10 +267,11 @@ def test_cuda_ipc_sink_copies_through_the_kernel_on_one_gpu(dtype: str, monkeypa
     before = local.tensor.clone()
     sink = CudaIpcSink(local, local.layout)
     src, dst = [95, 3, 17, 8, 0, 22, 41], [1, 39, 5, 6, 12, 2, 30]
-    sink._copy(remote, src, dst)
+    handle = sink._copy(remote, src, dst)
     assert launches == [len(src)]
     copy_blocks_ref(remote, before, torch.tensor(src).cuda(), torch.tensor(dst).cuda())
     assert same_bytes(local.tensor, before)
+    assert handle.done()  # the comparison waited (on the GPU) for the copy's event
 
 
 @pytest.mark.gpu

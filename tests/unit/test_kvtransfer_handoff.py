@@ -56,7 +56,8 @@ def test_prefill_lease_pull_release_equals_single_engine(tiny_llama_dir: Path) -
             state = SamplingState(req.sampling.params, req.sampling.eos_token_ids, req.sampling.num_generated)
             dst = decode.adopt(req.request_id, req.token_ids, req.num_prompt_tokens, state)
             assert dst is not None
-            sink.pull(0, req.block_ids[: len(dst)], dst)
+            handle = sink.pull(0, req.block_ids[: len(dst)], dst)
+            assert handle.done()  # NOTE: the lease may be released only once the copy is done
             prefill.release_blocks(leases.release([lease_id]))
     assert len(leases) == 0 and prefill.pool.num_used_blocks == 0
 

@@ -1,5 +1,6 @@
 """The shm transport: a sink maps a source's shared-memory pool and pulls exact blocks, in another process
-too; mismatched layouts are refused; closing leaves nothing in /dev/shm."""
+too, synchronously (every pull handle is done on return); mismatched layouts are refused; closing leaves
+nothing in /dev/shm. Also PullHandle itself, on a fake event."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from core.messages import HandshakeEvent, decode, encode
-from kvtransfer.base import KVTransferError, make_sink, make_source
+from kvtransfer.base import KVTransferError, PullHandle, make_sink, make_source
 from kvtransfer.layout import KVLayout, LayoutMismatchError
 from kvtransfer.pool import SHM_DIR, KVPool, allocate_kv_pool, attach_shm_pool, remove_stale_segments
 
@@ -41,7 +42,7 @@ layout = KVLayout(**desc["fingerprint"], num_blocks=num_blocks)
 local = allocate_kv_pool(layout, "cpu", shared=False)
 sink = make_sink("shm", local, layout)
 sink.open(0, desc, layout.fingerprint())
-sink.pull(0, src, dst)
+assert sink.pull(0, src, dst).done()
 sink.close_all()
 torch.save(local.tensor, out)
 """
@@ -131,7 +132,8 @@ def test_pull_copies_scattered_blocks_of_every_layer(dtype: str) -> None:
         local = local_pool(layout)
         sink = make_sink("shm", local, local.layout)
         sink.open(7, make_source("shm", source).descriptor())
-        sink.pull(7, SRC, DST)
+        handle = sink.pull(7, SRC, DST)
+        assert handle.done()  # synchronous: the blocks are in and the lease may be released
         assert_pulled(local.tensor, source.tensor, SRC, DST)
     finally:
         source.close()
@@ -205,7 +207,7 @@ def test_pull_refuses_unopened_worker_and_bad_block_ids(source_pool: KVPool) -> 
         with pytest.raises(KVTransferError):
             sink.pull(0, src, dst)
     assert not local.tensor.any()
-    sink.pull(0, [], [])
+    assert sink.pull(0, [], []).done()
     sink.close(0)
     with pytest.raises(KVTransferError, match="not open"):
         sink.pull(0, [1], [1])
@@ -218,6 +220,50 @@ def test_transports_check_their_pools(source_pool: KVPool) -> None:
         make_source("cuda_ipc", source_pool)
     with pytest.raises(ValueError, match="unknown KV transport"):
         make_source("rdma", source_pool)
+
+
+# --- pull handles ---------------------------------------------------------------------------------------
+
+
+class FakeEvent:
+    """Stands in for a torch.cuda.Event: query() is False until the test completes it."""
+
+    def __init__(self) -> None:
+        self.complete = False
+        self.num_synchronizes = 0
+
+    def query(self) -> bool:
+        return self.complete
+
+    def synchronize(self) -> None:
+        self.num_synchronizes += 1
+        self.complete = True
+
+
+def test_handle_without_event_is_done() -> None:
+    handle = PullHandle()
+    assert handle.done()
+    handle.wait()
+    assert handle.done()
+
+
+def test_handle_is_done_once_its_event_completes_and_then_drops_what_it_kept() -> None:
+    event, ids = FakeEvent(), torch.arange(4)
+    handle = PullHandle(event, (ids,))  # type: ignore[arg-type]
+    assert not handle.done() and not handle.done()
+    assert handle._keep_alive == (ids,)  # the copy may still read the ids
+    event.complete = True
+    assert handle.done()
+    assert handle._keep_alive == () and handle._event is None
+    assert handle.done()
+
+
+def test_handle_wait_synchronizes_its_event_once() -> None:
+    event = FakeEvent()
+    handle = PullHandle(event, (torch.arange(4),))  # type: ignore[arg-type]
+    handle.wait()
+    handle.wait()
+    assert event.num_synchronizes == 1 and handle.done() and handle._keep_alive == ()
 
 
 # --- a sink in another process --------------------------------------------------------------------

@@ -105,3 +105,37 @@ def test_other_llama_family_checkpoints_match_hf(tmp_path: Path, family: str) ->
     model.save_pretrained(tmp_path)
     prompts = random_prompts(1024, (5, 33), seed=8)
     assert engine(tmp_path).generate(prompts, GREEDY) == hf_greedy(tmp_path, prompts, 24)
+
+
+def test_dummy_draws_depend_only_on_key_and_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hash fill gives the same values whatever the pass size (so whatever the device's launch grid),
+    differs by key, and is uniform over [low, high)."""
+    from core.models import loading
+
+    whole = torch.empty(3001, 7)
+    loading.hash_uniform_(whole, key=42, low=-1e-2, high=1e-2)
+    monkeypatch.setattr(loading, "DUMMY_CHUNK", 1000)
+    chunked = torch.empty(3001, 7)
+    loading.hash_uniform_(chunked, key=42, low=-1e-2, high=1e-2)
+    other = torch.empty(3001, 7)
+    loading.hash_uniform_(other, key=43, low=-1e-2, high=1e-2)
+    assert torch.equal(whole, chunked) and not torch.equal(whole, other)
+    assert whole.min() >= -1e-2 and whole.max() < 1e-2
+    assert abs(whole.mean().item()) < 2e-4 and abs(whole.std().item() - 0.02 / 12**0.5) < 1e-4
+    half = torch.empty(3001, 7, dtype=torch.bfloat16)
+    loading.hash_uniform_(half, key=42, low=-1e-2, high=1e-2)
+    assert torch.equal(half, whole.bfloat16())
+
+
+@pytest.mark.gpu
+def test_dummy_weights_are_the_same_on_cuda_and_cpu(tiny_llama_dir: Path) -> None:
+    """Seeded dummy weights are a function of (seed, name, index): a worker on a GPU (whatever its SM share
+    under MPS) holds bit for bit what a CPU process draws."""
+    from core.models import load_model
+    from kernels.attention import TorchAttention
+
+    cfg = ModelConfig.from_pretrained(tiny_llama_dir, load_format="dummy", seed=3)
+    on_cpu = load_model(cfg, TorchAttention(), "cpu").state_dict()
+    on_gpu = load_model(cfg, TorchAttention(), "cuda").state_dict()
+    assert on_cpu.keys() == on_gpu.keys()
+    assert all(torch.equal(on_cpu[k], on_gpu[k].cpu()) for k in on_cpu)

@@ -323,7 +323,7 @@ def test_silent_decode_worker_fails_its_streams_unavailable_within_the_timeout(
                     err.value.details() or ""
                 )
             assert time.monotonic() - silent_at < HEARTBEAT_TIMEOUT + 0.5
-            assert h.prefill.got(DecodeWorkerLostCmd) == [DecodeWorkerLostCmd(0)]
+            await eventually(lambda: h.prefill.got(DecodeWorkerLostCmd) == [DecodeWorkerLostCmd(0)])  # async
             assert await h.health() == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await h.generate(pb.GenerateRequest(text="again"))

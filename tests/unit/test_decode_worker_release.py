@@ -1,0 +1,198 @@
+"""The decode worker's lease releases: a handed-off request decodes as soon as its pull is enqueued, its
+ReleaseCmd goes out once the pull's handle is done (polled in after_step), at once when the pull failed or
+was synchronous (shm), and at shutdown after waiting for the copy; the idle loop polls fast meanwhile.
+
+A real DecodeWorker on the tiny llama (CPU, shm transport) in this process; sockets bound here stand in for
+the router and prefill worker 0; a sink whose handles the test completes stands in for an async transport.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+import zmq
+
+from core import ipc
+from core.config import CacheConfig, EngineConfig, ModelConfig
+from core.messages import AbortCmd, HandoffCmd, Message, ReleaseCmd, RequestErrorEvent, Sampling, Timings
+from core.worker_base import PENDING_POLL_MS
+from decode_worker.worker import DecodeWorker
+from kvtransfer.base import KVTransferError, PullHandle, make_source
+from kvtransfer.pool import allocate_kv_pool
+from kvtransfer.shm import ShmSink
+
+POOL_ID = "pool-a"
+PROMPT = [5, 9, 2, 7, 1, 8, 3, 4, 6, 11, 12, 13, 14, 15, 16, 17, 18, 19]  # 18 tokens: KV of 17 in 2 blocks
+FIRST_TOKEN = 21
+RECV_TIMEOUT_MS = 2000
+QUIET_MS = 100
+
+
+class FlipHandle(PullHandle):
+    """A copy in flight until the test sets copied (or the worker waits for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copied = False
+        self.num_waits = 0
+
+    def done(self) -> bool:
+        return self.copied
+
+    def wait(self) -> None:
+        self.num_waits += 1
+        self.copied = True
+
+
+class AsyncSink(ShmSink):
+    """Records pulls and answers each with a FlipHandle (copies nothing); raises while fail is set."""
+
+    def __init__(self, sink: ShmSink) -> None:
+        super().__init__(sink.local_pool, sink.layout)
+        self.handles: list[FlipHandle] = []
+        self.fail = False
+
+    def pull(self, prefill_worker: int, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
+        if self.fail:
+            raise KVTransferError("mapping lost")
+        self.handles.append(FlipHandle())
+        return self.handles[-1]
+
+
+class Harness(NamedTuple):
+    worker: DecodeWorker
+    prefill: zmq.Socket  # what prefill worker 0 receives
+    router: zmq.Socket  # what the router receives
+
+
+@pytest.fixture
+def harness(tiny_llama_dir: Path) -> Iterator[Harness]:
+    run_dir = tempfile.mkdtemp(prefix="pdrel")  # NOTE: short: ipc:// paths are limited to ~100 bytes
+    ctx = zmq.Context()
+    prefill = ipc.bind_pull(ctx, ipc.prefill_addr(run_dir, 0))
+    router = ipc.bind_pull(ctx, ipc.router_addr(run_dir))
+    cfg = EngineConfig(ModelConfig.from_pretrained(tiny_llama_dir), CacheConfig(num_blocks=24), device="cpu")
+    worker = DecodeWorker(cfg, 0, run_dir, num_prefill=1, transport="shm")
+    worker.peers[0] = POOL_ID  # the handshake with prefill worker 0 is done
+    try:
+        yield Harness(worker, prefill, router)
+    finally:
+        worker.close()
+        ctx.destroy(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def async_sink(worker: DecodeWorker) -> AsyncSink:
+    assert isinstance(worker.sink, ShmSink)
+    worker.sink = AsyncSink(worker.sink)
+    return worker.sink
+
+
+def handoff(request_id: str, lease_id: int, block_ids: list[int] | None = None) -> HandoffCmd:
+    sampling = Sampling(temperature=0.0, max_tokens=4, ignore_eos=True, num_generated=1)
+    token_ids = [*PROMPT, FIRST_TOKEN]
+    return HandoffCmd(
+        request_id, 0, POOL_ID, lease_id, block_ids or [3, 4], token_ids, len(PROMPT), 0, sampling, Timings()
+    )
+
+
+def received(sock: zmq.Socket, count: int) -> list[Message]:
+    """The next count messages on sock, then whatever else arrives within QUIET_MS (so extras show)."""
+    got: list[Message] = []
+    while len(got) < count and sock.poll(RECV_TIMEOUT_MS):
+        got += ipc.recv_all(sock)
+    while sock.poll(QUIET_MS):
+        got += ipc.recv_all(sock)
+    return got
+
+
+def test_request_decodes_at_once_and_its_lease_is_released_when_the_copy_is_done(harness: Harness) -> None:
+    worker = harness.worker
+    sink = async_sink(worker)
+    worker.handle(handoff("a", lease_id=7))
+    assert len(sink.handles) == 1 and worker.engine.has_unfinished()  # scheduled before the copy finished
+    assert worker.counters()["releases_pending"] == 1 and worker.has_pending_work()
+    worker.after_step()
+    worker.after_step()
+    assert worker.counters()["releases_pending"] == 1
+    sink.handles[0].copied = True
+    worker.after_step()
+    assert worker.counters()["releases_pending"] == 0 and not worker.has_pending_work()
+    assert received(harness.prefill, 1) == [ReleaseCmd(0, [7])]  # once, and not before the copy was done
+    worker.after_step()
+    assert received(harness.prefill, 0) == []
+
+
+def test_each_lease_waits_for_its_own_copy(harness: Harness) -> None:
+    worker = harness.worker
+    sink = async_sink(worker)
+    worker.handle(handoff("a", lease_id=1))
+    worker.handle(handoff("b", lease_id=2, block_ids=[8, 9]))
+    sink.handles[1].copied = True  # completion order need not be handoff order
+    worker.after_step()
+    assert worker.counters()["releases_pending"] == 1
+    sink.handles[0].copied = True
+    worker.after_step()
+    assert received(harness.prefill, 2) == [ReleaseCmd(0, [2]), ReleaseCmd(0, [1])]
+
+
+def test_aborted_request_keeps_its_lease_until_the_copy_is_done_and_the_idle_loop_polls_fast(
+    harness: Harness,
+) -> None:
+    worker = harness.worker
+    sink = async_sink(worker)
+    assert worker._poll_timeout_ms() == 250
+    worker.handle(handoff("a", lease_id=3))
+    assert worker._poll_timeout_ms() == 0  # the request runs
+    worker.handle(AbortCmd("a"))
+    assert not worker.engine.has_unfinished()
+    assert worker._poll_timeout_ms() == PENDING_POLL_MS  # idle, but a release is due soon
+    worker.after_step()
+    assert worker.counters()["releases_pending"] == 1  # the source blocks may still be read
+    sink.handles[0].copied = True
+    worker.after_step()
+    assert received(harness.prefill, 1) == [ReleaseCmd(0, [3])]
+    assert worker._poll_timeout_ms() == 250
+
+
+def test_failed_pull_releases_at_once_and_reports_the_request(harness: Harness) -> None:
+    worker = harness.worker
+    sink = async_sink(worker)
+    sink.fail = True
+    worker.handle(handoff("a", lease_id=4))
+    assert worker.counters()["releases_pending"] == 0 and not worker.engine.has_unfinished()
+    assert received(harness.prefill, 1) == [ReleaseCmd(0, [4])]
+    (error,) = received(harness.router, 1)
+    assert isinstance(error, RequestErrorEvent) and (error.request_id, error.code) == ("a", "UNAVAILABLE")
+
+
+def test_close_waits_for_copies_in_flight_and_releases_their_leases(harness: Harness) -> None:
+    worker = harness.worker
+    sink = async_sink(worker)
+    worker.handle(handoff("a", lease_id=5))
+    worker.close()
+    assert sink.handles[0].num_waits == 1 and worker.counters()["releases_pending"] == 0
+    assert received(harness.prefill, 1) == [ReleaseCmd(0, [5])]
+
+
+def test_shm_pull_is_synchronous_so_the_lease_is_released_in_the_same_call(harness: Harness) -> None:
+    worker = harness.worker
+    source = allocate_kv_pool(replace(worker.layout, num_blocks=16), "cpu", shared=True)
+    try:
+        source.tensor.copy_(torch.randn(source.layout.shape, generator=torch.Generator().manual_seed(0)))
+        worker.sink.open(0, make_source("shm", source).descriptor())
+        worker.handle(handoff("a", lease_id=6, block_ids=[11, 2]))
+        assert worker.counters()["releases_pending"] == 0
+        assert received(harness.prefill, 1) == [ReleaseCmd(0, [6])]
+        dst = worker.engine.requests["a"].block_ids
+        assert worker.kv_pool is not None
+        assert torch.equal(worker.kv_pool.tensor[:, :, dst], source.tensor[:, :, [11, 2]])
+    finally:
+        source.close()
