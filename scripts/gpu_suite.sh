@@ -12,7 +12,7 @@ status=0
 for stage in $stages; do
   case $stage in
     tests)
-      python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests/kernels tests/gpu \
+      python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests \
         --junitxml "$OUT/gpu_tests.xml" >"$OUT/gpu_tests.log" 2>&1 || status=1
       tail -25 "$OUT/gpu_tests.log" ;;
     bench)
