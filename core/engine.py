@@ -85,8 +85,8 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens; the model's context is {m.max_model_len} "
                 "and at least one must be left to generate"
             )
-        bad = next((t for t in prompt if not 0 <= t < m.vocab_size), None)
-        if bad is not None:
+        if min(prompt) < 0 or max(prompt) >= m.vocab_size:  # NOTE: builtins: 10x a generator on long prompts
+            bad = next(t for t in prompt if not 0 <= t < m.vocab_size)
             raise InvalidRequestError(f"token id {bad} outside the vocabulary [0, {m.vocab_size})")
         needed = self.kv.blocks_needed(len(prompt) + 1)
         if needed > self.pool.num_blocks - 1:

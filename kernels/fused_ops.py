@@ -266,7 +266,7 @@ def _rope_kernel(
     positions_ptr,  # [num_tokens] int64 | int32
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_ptr,  # [num_tokens, num_kv_heads, head_dim]
-    cos_ptr,  # [max_positions, head_dim] fp32
+    cos_ptr,  # [max_positions, head_dim] fp32 | q's dtype
     sin_ptr,
     q_out_ptr,
     k_out_ptr,
@@ -324,7 +324,8 @@ def _check_rope_inputs(positions: Tensor, q: Tensor, k: Tensor, cos: Tensor, sin
     assert positions.dtype in (torch.int64, torch.int32), f"positions must be int64 or int32, got {positions.dtype}"
     for name, table in (("cos", cos), ("sin", sin)):
         assert table.dim() == 2 and table.shape[1] == head_dim, f"{name} must be [max_positions, {head_dim}]"
-        assert table.dtype == torch.float32 and table.stride(1) == 1, f"{name} must be float32, rows contiguous"
+        assert table.dtype in (torch.float32, q.dtype), f"{name} must be float32 or {q.dtype}, got {table.dtype}"
+        assert table.stride(1) == 1, f"{name} rows must be contiguous"
     assert cos.shape == sin.shape, "cos and sin tables differ in shape"
 
 
@@ -332,8 +333,8 @@ def apply_rope_triton(
     positions: Tensor,  # [num_tokens] int64 | int32
     q: Tensor,  # [num_tokens, num_heads, head_dim]
     k: Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    cos: Tensor,  # [max_positions, head_dim] fp32
-    sin: Tensor,  # [max_positions, head_dim] fp32
+    cos: Tensor,  # [max_positions, head_dim] fp32, or q's dtype (a model cast whole: the same values once cast)
+    sin: Tensor,  # [max_positions, head_dim] like cos
     q_out: Tensor | None = None,  # [num_tokens, num_heads, head_dim], written in place
     k_out: Tensor | None = None,  # [num_tokens, num_kv_heads, head_dim], written in place
 ) -> tuple[Tensor, Tensor]:

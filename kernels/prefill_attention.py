@@ -46,15 +46,16 @@ class PrefillTileConfig(NamedTuple):
 def choose_tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int) -> PrefillTileConfig:
     """Tiles for a head_dim and dtype; BLOCK_M shrinks for short queries (decode-like batches).
 
-    fp32 runs its dots on IEEE FMAs (no tensor cores), so it takes smaller tiles; 16-bit types take
-    flash-attention's usual Hopper/Ampere shapes, bounded so K/V stages fit shared memory.
+    fp32 runs its dots on IEEE FMAs (no tensor cores), so it takes smaller tiles; 16-bit types take the
+    shapes that timed fastest for 4000-token prefills at head_dim 64 and 128, bounded so K/V stages fit
+    shared memory.
     """
     if dtype == torch.float32:
         cfg = PrefillTileConfig(64, 32, 4, 2) if head_dim <= 128 else PrefillTileConfig(32, 32, 4, 1)
-    elif head_dim <= 64:
-        cfg = PrefillTileConfig(128, 64, 4, 3)
+    elif head_dim <= 64:  # NOTE: the fastest of a sweep on an H100 (scripts/tune_prefill_attention.py)
+        cfg = PrefillTileConfig(64, 64, 4, 2)
     elif head_dim <= 128:
-        cfg = PrefillTileConfig(128, 64, 8, 3)
+        cfg = PrefillTileConfig(64, 64, 4, 3)
     else:
         cfg = PrefillTileConfig(64, 32, 4, 2)
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max(max_query_len, 1))))
@@ -95,23 +96,23 @@ def _attend_key_tiles(
         else:
             block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
         slot = k_pos % BLOCK_SIZE
-        k_ptrs = k_base + (block * stride_kb + slot * stride_kt)[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
+        k_ptrs = k_base + (block * stride_kb + slot * stride_kt)[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
         v_ptrs = v_base + (block * stride_vb + slot * stride_vt)[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
         if MASKED:
-            k = tl.load(k_ptrs, mask=in_range[None, :], other=0.0)
+            k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
 
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
         if MASKED:
             visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
             s = tl.where(visible, s, float("-inf"))
         # every row sees key 0 in the first tile it runs, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new

@@ -240,3 +240,19 @@ def test_kernels_match_reference_under_the_triton_interpreter() -> None:
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "interpreter checks passed" in run.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_rope_tables_in_the_model_dtype_give_the_same_result(dtype: str) -> None:
+    """A model cast whole to bf16/fp16 holds its rope tables in that dtype: the kernel casts the tables to q's
+    dtype first anyway, so those tables give what the fp32 ones give."""
+    gen = torch.Generator().manual_seed(3)
+    q = randn((37, 8, 64), gen, DTYPES[dtype], "cuda")
+    k = randn((37, 2, 64), gen, DTYPES[dtype], "cuda")
+    positions = torch.randint(0, 1024, (37,), generator=gen).cuda()
+    cos, sin = rope_tables(64, 1024, "cuda")
+    want = fused_ops.apply_rope_triton(positions, q, k, cos, sin)
+    got = fused_ops.apply_rope_triton(positions, q, k, cos.to(q.dtype), sin.to(q.dtype))
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
