@@ -55,15 +55,12 @@ class DecodeBatch:
         n = len(reqs)
         assert n <= padded <= self.max_batch, f"batch {n} padded to {padded} exceeds {self.max_batch} rows"
         ids_pos, seq_lens = self._ids_pos_np, self._seq_lens_np
-        tables_dirty = False
-        lens: list[int] = []
-        for i, req in enumerate(reqs):
-            pos = req.num_computed_tokens
-            ids_pos[0, i] = req.token_ids[pos]
-            ids_pos[1, i] = pos
-            seq_lens[i] = pos + 1
-            lens.append(pos + 1)
-            tables_dirty |= self._load_row(i, req)
+        positions = [req.num_computed_tokens for req in reqs]
+        lens = [pos + 1 for pos in positions]
+        ids_pos[0, :n] = [req.token_ids[pos] for req, pos in zip(reqs, positions, strict=True)]
+        ids_pos[1, :n] = positions
+        seq_lens[:n] = lens
+        tables_dirty = any([self._load_row(i, req) for i, req in enumerate(reqs)])  # NOTE: a list: every row loads
         ids_pos[:, n:padded] = 0
         seq_lens[n:padded] = 0
         for i in range(n, padded):

@@ -180,11 +180,12 @@ class Engine:
     def _accept(self, req: Request, token: int, row: torch.Tensor | None) -> RequestOutput:
         """Cache what the pass computed, append the sampled token, finish the request if it stopped."""
         self.kv.commit(req, row)
-        if req.num_output_tokens == 0:
+        tokens = req.token_ids
+        if len(tokens) == req.num_prompt_tokens:
             self.stats.num_cached_prompt_tokens += req.num_cached_tokens
-        req.token_ids.append(token)
+        tokens.append(token)
         reason = req.sampling.check_stop(token)
-        if reason is None and req.num_tokens >= self.config.model.max_model_len:
+        if reason is None and len(tokens) >= self.config.model.max_model_len:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(req, reason)
@@ -199,7 +200,7 @@ class Engine:
             done,
             req.finish_reason if done else None,
             req.num_prompt_tokens,
-            req.num_output_tokens,
+            len(req.token_ids) - req.num_prompt_tokens,
             req.num_cached_tokens,
         )
 

@@ -97,6 +97,8 @@ class KVCacheManager:
 
     def ensure_slots(self, req: Request, num_new_tokens: int, copies: list[BlockCopy]) -> bool:
         """Make blocks ready for req's next num_new_tokens positions; False if the pool is out of blocks."""
+        if not req.tail_shared and req.num_computed_tokens + num_new_tokens <= len(req.block_ids) * self.block_size:
+            return True  # NOTE: the common decode step: the last block has room
         needed = self.blocks_needed(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
         needed += 1 if req.tail_shared else 0
         if needed > self.pool.num_free_blocks:
@@ -119,13 +121,15 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         num_full = req.num_computed_tokens // self.block_size
-        hashes = self._extend_hashes(req)
-        for i in range(req.num_registered_blocks, num_full):
-            self.pool.cache_block(req.block_ids[i], hashes[i])
-        req.num_registered_blocks = max(req.num_registered_blocks, num_full)
-        just_prefilled = req.num_computed_tokens == req.num_tokens == req.num_prompt_tokens
+        if num_full > req.num_registered_blocks:  # NOTE: hashes are extended only when a block fills
+            hashes = self._extend_hashes(req)
+            for i in range(req.num_registered_blocks, num_full):
+                self.pool.cache_block(req.block_ids[i], hashes[i])
+            req.num_registered_blocks = num_full
+        just_prefilled = req.num_computed_tokens == len(req.token_ids) == req.num_prompt_tokens
         if last_logits is None or not just_prefilled:
             return
+        self._extend_hashes(req)
         final_hash = self._final_hash(req)
         if req.num_tokens % self.block_size:
             req.tail_shared = self.pool.cache_block(req.block_ids[-1], final_hash)

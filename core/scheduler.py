@@ -18,11 +18,11 @@ class ScheduledChunk:
 
     req: Request
     num_tokens: int
+    samples: bool = field(init=False)
+    """The chunk reaches the last token, so its logits give the next token (as scheduled)."""
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the last token, so its logits give the next token."""
-        return self.req.num_computed_tokens + self.num_tokens == self.req.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.req.num_computed_tokens + self.num_tokens == len(self.req.token_ids)
 
 
 @dataclass

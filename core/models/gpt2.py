@@ -17,6 +17,7 @@ from transformers.activations import ACT2FN
 from core.config import ModelConfig
 from core.models.loading import copy_weights
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.layer_norm import layer_norm
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -31,8 +32,9 @@ class GPT2Attention(nn.Module):
         self.backend = backend
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.c_attn(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # each [tokens, heads, dim]
-        out = self.backend.forward(q, k.contiguous(), v.contiguous(), kv_cache, meta, self.scale)
+        # views of the fused projection, [tokens, heads, dim] each (the backend takes any token/head strides)
+        q, k, v = self.c_attn(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.c_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -54,18 +56,40 @@ class GPT2MLP(nn.Module):
         return self.c_proj(self.act(self.c_fc(x)))
 
 
+class ResidualLayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same parameters) that folds in the pending residual add: see kernels/layer_norm.py."""
+
+    def forward(  # type: ignore[override]
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+    ) -> Any:  # norm(x), or (norm(x + residual), x + residual)
+        return layer_norm(x, self.weight, self.bias, self.eps, residual)
+
+
 class GPT2Block(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         eps = cfg.hf_config.layer_norm_epsilon
-        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.ln_1 = ResidualLayerNorm(cfg.hidden_size, eps=eps)
         self.attn = GPT2Attention(cfg, backend)
-        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.ln_2 = ResidualLayerNorm(cfg.hidden_size, eps=eps)
         self.mlp = GPT2MLP(cfg)
 
-    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache, meta)
-        return x + self.mlp(self.ln_2(x))
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: the previous block's MLP output (the embeddings for block 0)
+        residual: torch.Tensor | None,  # [num_tokens, hidden]: the stream before x was added; None for block 0
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before it): each norm folds in the pending residual add, as in Llama."""
+        if residual is None:
+            x, residual = self.ln_1(x), x
+        else:
+            x, residual = self.ln_1(x, residual)
+        x, residual = self.ln_2(self.attn(x, kv_cache, meta), residual)
+        return self.mlp(x), residual
 
 
 class GPT2Model(nn.Module):
@@ -74,7 +98,7 @@ class GPT2Model(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.wpe = nn.Embedding(cfg.max_model_len, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg, backend) for _ in range(cfg.num_layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.hf_config.layer_norm_epsilon)
+        self.ln_f = ResidualLayerNorm(cfg.hidden_size, eps=cfg.hf_config.layer_norm_epsilon)
 
 
 class GPT2LMHeadModel(nn.Module):
@@ -92,9 +116,12 @@ class GPT2LMHeadModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)  # [num_tokens, hidden]
+        residual: torch.Tensor | None = None
         for block, kv_cache in zip(self.transformer.h, kv_caches, strict=True):
-            x = block(x, kv_cache, meta)
-        return self.transformer.ln_f(x)
+            x, residual = block(x, residual, kv_cache, meta)
+        if residual is None:  # no blocks
+            return self.transformer.ln_f(x)  # type: ignore[no-any-return]
+        return self.transformer.ln_f(x, residual)[0]  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (hidden @ self.transformer.wte.weight.t()).float()  # tied lm_head
