@@ -129,7 +129,6 @@ class KVCacheManager:
         just_prefilled = req.num_computed_tokens == len(req.token_ids) == req.num_prompt_tokens
         if last_logits is None or not just_prefilled:
             return
-        self._extend_hashes(req)
         final_hash = self._final_hash(req)
         if req.num_tokens % self.block_size:
             req.tail_shared = self.pool.cache_block(req.block_ids[-1], final_hash)
@@ -152,7 +151,7 @@ class KVCacheManager:
 
     def _final_hash(self, req: Request) -> int:
         """Hash of all of req's tokens: the last full block's hash, or the partial tail chained on it."""
-        hashes, num_full = req.block_hashes, req.num_tokens // self.block_size
+        hashes, num_full = self._extend_hashes(req), req.num_tokens // self.block_size
         if req.num_tokens % self.block_size == 0:
             return hashes[num_full - 1]
         parent = hashes[num_full - 1] if num_full else None

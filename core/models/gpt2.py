@@ -62,8 +62,11 @@ class ResidualLayerNorm(nn.LayerNorm):
     def forward(  # type: ignore[override]
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
-        residual: torch.Tensor | None = None,  # [num_tokens, hidden]
-    ) -> Any:  # norm(x), or (norm(x + residual), x + residual)
+        residual: torch.Tensor | None,  # [num_tokens, hidden]; None: x is the stream itself (the embeddings)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); without residual, (norm(x), x)."""
+        if residual is None:
+            return layer_norm(x, self.weight, self.bias, self.eps), x
         return layer_norm(x, self.weight, self.bias, self.eps, residual)
 
 
@@ -84,10 +87,7 @@ class GPT2Block(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before it): each norm folds in the pending residual add, as in Llama."""
-        if residual is None:
-            x, residual = self.ln_1(x), x
-        else:
-            x, residual = self.ln_1(x, residual)
+        x, residual = self.ln_1(x, residual)
         x, residual = self.ln_2(self.attn(x, kv_cache, meta), residual)
         return self.mlp(x), residual
 
@@ -119,9 +119,7 @@ class GPT2LMHeadModel(nn.Module):
         residual: torch.Tensor | None = None
         for block, kv_cache in zip(self.transformer.h, kv_caches, strict=True):
             x, residual = block(x, residual, kv_cache, meta)
-        if residual is None:  # no blocks
-            return self.transformer.ln_f(x)  # type: ignore[no-any-return]
-        return self.transformer.ln_f(x, residual)[0]  # type: ignore[no-any-return]
+        return self.transformer.ln_f(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (hidden @ self.transformer.wte.weight.t()).float()  # tied lm_head

@@ -29,13 +29,15 @@ class RMSNorm(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
-        residual: torch.Tensor | None = None,  # [num_tokens, hidden]
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x); with residual, (norm(x + residual), x + residual) in one fused pass on CUDA.
+        residual: torch.Tensor | None,  # [num_tokens, hidden]; None: x is the stream itself (the embeddings)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), in one fused pass on CUDA; without residual, (norm(x), x).
 
         NOTE: same op order as transformers (normalize in fp32, cast, then scale) so fp32 on CPU matches bit for
         bit; see kernels/fused_ops.py.
         """
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps), x
         return rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -109,10 +111,7 @@ class LlamaDecoderLayer(nn.Module):
         NOTE: the stream is summed as transformers sums it (x + sublayer(x), and + commutes exactly), so fp32
         on CPU stays bit-identical.
         """
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, positions, rope, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -150,8 +149,6 @@ class LlamaForCausalLM(nn.Module):
         rope = self.model.rotary_emb
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, rope, kv_cache, meta)
-        if residual is None:  # no layers
-            return self.model.norm(x)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
