@@ -6,7 +6,7 @@ of a sequence, the current one included (its K/V are already in the cache).
 
 Stage 1 runs one program per (sequence, kv head, split). It loads the G = num_heads // num_kv_heads query
 heads of its KV head as one [G_PAD, head_dim] tile (G padded to a power of two >= 16 for tl.dot) and walks
-its share of the sequence in tiles of TILE_N tokens; a tile spans TILE_N // block_size whole blocks, each
+its share of the sequence in tiles of TILE_N tokens (choose_decode_config picks TILE_N and warps); each
 token's block id is gathered from the block table. Softmax is online, in fp32, in the log2 domain.
 With one split stage 1 writes the output; otherwise it writes a normalised partial output and its
 log-sum-exp to a workspace and stage 2 merges the splits.
@@ -78,8 +78,25 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
 
-def _tile_tokens(block_size: int, head_dim: int) -> int:
-    return max(block_size, 64 if head_dim <= 128 else 32)
+class DecodeTileConfig(NamedTuple):
+    """Tile and launch shape of stage 1."""
+
+    tile_n: int
+    """Key tokens per inner-loop tile: a power of two >= 16 (each token's block is looked up)."""
+    num_warps: int
+
+
+def choose_decode_config(head_dim: int, group: int) -> DecodeTileConfig:
+    """The fastest tiles of a sweep on an H200 (scripts/tune_decode_attention.py, bench/results/).
+
+    With one or two query heads per KV head the [16, head_dim] query tile is mostly padding and a program
+    does little work: one warp and 32-token tiles keep more programs resident (GPT-2 shape, 128 sequences
+    of 130 tokens: 16 us vs 24 us with 64 x 4 warps). Wider GQA groups take 128-token tiles (Llama-1B shape,
+    64 x 1000 tokens: 37 vs 43 us; Llama-8B shape, 32 x 4000 tokens: 130 vs 166 us).
+    """
+    if group <= 2:
+        return DecodeTileConfig(32, 1)
+    return DecodeTileConfig(128 if head_dim <= 128 else 32, 4)
 
 
 @triton.jit
@@ -235,6 +252,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [batch, num_heads, head_dim], written in place
     num_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
+    cfg: DecodeTileConfig | None = None,
 ) -> torch.Tensor:  # [batch, num_heads, head_dim], q's dtype unless `out` says otherwise
     """Attention of one new query per sequence over its paged K/V; sequences of length 0 give zeros.
 
@@ -269,6 +287,8 @@ def paged_decode_attention(
     else:
         part_out, part_lse = out, out  # unused by the kernel when SPLIT is False
     group = num_heads // num_kv_heads
+    cfg = cfg or choose_decode_config(head_dim, group)
+    assert cfg.tile_n >= 16 and cfg.tile_n & (cfg.tile_n - 1) == 0, f"tile_n must be a power of two >= 16: {cfg}"
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _decode_stage1[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
@@ -284,10 +304,10 @@ def paged_decode_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        TILE_N=_tile_tokens(block_size, head_dim),
+        TILE_N=cfg.tile_n,
         SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
     if split:
         _decode_stage2[(batch, num_heads)](

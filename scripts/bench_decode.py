@@ -99,7 +99,26 @@ def bench_engine(folder: Path, prompts: list[list[int]], new_tokens: int, repeat
     rates = timed(run, repeats)
     if engine.runner.graphs is not None:
         GRAPH_STEP_MS[len(prompts)] = replay_ms(engine, len(prompts))
+        if PROFILE:
+            profile_replay(engine, len(prompts))
     return rates
+
+
+PROFILE = False
+
+
+def profile_replay(engine: Engine, batch: int, repeats: int = 20) -> None:
+    """The GPU kernels of a captured decode step by total time (where a step's GPU time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            graphs.replay(batch)
+        torch.cuda.synchronize()
+    print(f"==== decode graph replay, batch {batch}, {repeats} replays")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
 
 
 GRAPH_STEP_MS: dict[int, float] = {}
@@ -125,7 +144,10 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", action="store_true", help="print the kernels of a captured decode step")
     args = p.parse_args()
+    global PROFILE
+    PROFILE = args.profile
     folder = write_config(Path(tempfile.mkdtemp()))
     prompts = prompts_of(args.requests)
     rows = {"transformers-generate": bench_transformers(folder, prompts, args.new_tokens, args.repeats)}

@@ -85,14 +85,39 @@ PROFILE = False
 
 
 def print_profile(name: str, fn) -> None:  # type: ignore[no-untyped-def]
-    """The GPU kernels of one call, by total time (to see where a prefill's time goes)."""
+    """The GPU kernels of one call by total time, and where the GPU sat idle (to see where a prefill's time goes)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        wall = time.perf_counter()
         fn()
         torch.cuda.synchronize()
+        wall = (time.perf_counter() - wall) * 1e3
     print(f"==== {name}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print_gaps(prof, wall)
+
+
+def print_gaps(prof, wall_ms: float) -> None:  # type: ignore[no-untyped-def]
+    """GPU busy time (union of kernel intervals) against the call's wall time, and the longest idle gaps."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA
+    )
+    if not kernels:
+        return
+    busy, gaps, end, last = 0.0, [], kernels[0][0], ""
+    for start, stop, kname in kernels:
+        if start > end:
+            gaps.append((start - end, last, kname))
+        busy += max(0.0, stop - max(start, end))
+        end, last = max(end, stop), kname
+    span = (end - kernels[0][0]) / 1e3
+    print(f"wall {wall_ms:.2f} ms, first->last kernel {span:.2f} ms, GPU busy {busy / 1e3:.2f} ms")
+    for gap, before, after in sorted(gaps, reverse=True)[:8]:
+        print(f"  idle {gap:8.1f} us between {before[:50]!r} and {after[:50]!r}")
 
 
 def bench_transformers(folder: Path, tokens: int, repeats: int) -> list[float]:

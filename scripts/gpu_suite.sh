@@ -16,8 +16,8 @@ for stage in $stages; do
         --junitxml "$OUT/gpu_tests.xml" >"$OUT/gpu_tests.log" 2>&1 || status=1
       tail -25 "$OUT/gpu_tests.log" ;;
     bench)
-      python3 scripts/bench_prefill.py --profile --out "$OUT/prefill.json" 2>&1 | tail -40 || status=1
-      python3 scripts/bench_decode.py --out "$OUT/decode.json" 2>&1 | tail -15 || status=1
+      python3 scripts/bench_prefill.py --profile --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1 || status=1; tail -60 "$OUT/prefill.log"
+      python3 scripts/bench_decode.py --profile --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1 || status=1; tail -40 "$OUT/decode.log"
       python3 scripts/bench_handoff.py --sweep --out "$OUT/handoff.json" 2>&1 | tail -15 || status=1 ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

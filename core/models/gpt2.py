@@ -15,6 +15,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from core.config import ModelConfig
+from core.models.layers import VocabEmbedding
 from core.models.loading import copy_weights
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.layer_norm import layer_norm
@@ -95,7 +96,7 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wte = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.wpe = nn.Embedding(cfg.max_model_len, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg, backend) for _ in range(cfg.num_layers))
         self.ln_f = ResidualLayerNorm(cfg.hidden_size, eps=cfg.hf_config.layer_norm_epsilon)
@@ -122,7 +123,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.transformer.ln_f(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden @ self.transformer.wte.weight.t()).float()  # tied lm_head
+        return self.transformer.wte.logits(hidden)  # tied lm_head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str, tensor: torch.Tensor) -> tuple[str | None, torch.Tensor]:

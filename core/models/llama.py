@@ -14,6 +14,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from core.config import ModelConfig
+from core.models.layers import MergedLinear, VocabEmbedding
 from core.models.loading import copy_weights
 from core.models.rope import RotaryEmbedding
 from kernels.attention import AttentionBackend, AttentionMetadata
@@ -49,9 +50,8 @@ class LlamaAttention(nn.Module):
         o_bias = bool(getattr(hf, "attention_bias", False))
         bias = o_bias or hf.model_type == "qwen2"
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
@@ -64,9 +64,10 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.splits, dim=-1)  # [num_tokens, (heads | kv_heads) * d]
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim], rows strided
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
@@ -77,14 +78,14 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         bias = bool(getattr(hf, "mlp_bias", False))
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.act = ACT2FN[hf.hidden_act]
         self.fused_silu = hf.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)  # [num_tokens, intermediate] each
+        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.splits, dim=-1)  # [num_tokens, inter] each
         return self.down_proj(silu_and_mul(gate, up) if self.fused_silu else self.act(gate) * up)
 
 
@@ -120,7 +121,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.hf_config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len)
@@ -133,9 +134,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.model = LlamaModel(cfg, backend)
         self.tied = bool(getattr(cfg.hf_config, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = self.model.embed_tokens if self.tied else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
 
     def forward(
         self,
@@ -152,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> str | None:

@@ -11,6 +11,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from core.models.layers import MergedLinear, VocabEmbedding
+
 
 def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of model.safetensors, or of the shards listed in model.safetensors.index.json."""
@@ -28,25 +30,66 @@ def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
+def _target(
+    name: str, params: dict[str, nn.Parameter], merged: dict[str, MergedLinear], vocabs: dict[str, VocabEmbedding]
+) -> tuple[str, slice | None]:
+    """The parameter a checkpoint name fills and the rows it fills (None: the whole parameter)."""
+    if name in params:
+        vocab = vocabs.get(name.rpartition(".")[0])
+        return name, None if vocab is None else slice(0, vocab.vocab_size)
+    module, _, leaf = name.rpartition(".")  # e.g. model.layers.0.self_attn.q_proj / weight
+    parent, _, part = module.rpartition(".")
+    for fused_name, fused in merged.items():
+        if fused_name.rpartition(".")[0] == parent and part in fused.shards:
+            start, rows = fused.shard_rows(part)
+            return f"{fused_name}.{leaf}", slice(start, start + rows)
+    raise KeyError(f"checkpoint tensor {name!r} has no parameter")
+
+
 def copy_weights(model: nn.Module, weights: Iterable[tuple[str | None, torch.Tensor]]) -> set[str]:
-    """Copy (name, tensor) pairs into same-named parameters; None names are skipped.
+    """Copy (name, tensor) pairs into same-named parameters (or their rows of a MergedLinear); None names are
+    skipped. Returns the parameters filled whole (a merged one once all its parts came).
 
     Unknown names and shape mismatches raise: a checkpoint that does not fit is an error, not a warning.
     """
     params = dict(model.named_parameters())
+    merged = {n: m for n, m in model.named_modules() if isinstance(m, MergedLinear)}
+    vocabs = {n: m for n, m in model.named_modules() if isinstance(m, VocabEmbedding)}
+    parts: dict[str, int] = {}
     loaded: set[str] = set()
     for name, tensor in weights:
         if name is None:
             continue
-        if name not in params:
-            raise KeyError(f"checkpoint tensor {name!r} has no parameter in {type(model).__name__}")
-        param = params[name]
+        target, rows = _target(name, params, merged, vocabs)
+        param = params[target] if rows is None else params[target][rows]
         if param.shape != tensor.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(tensor)
-        loaded.add(name)
+        parts[target] = parts.get(target, 0) + 1
+        fused = merged.get(target.rpartition(".")[0])
+        if fused is None or parts[target] == len(fused.shards):
+            loaded.add(target)
     return loaded
+
+
+def unmerged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under checkpoint names and shapes (views): each MergedLinear split back into its
+    parts, each VocabEmbedding without its padding rows."""
+    modules = dict(model.named_modules())
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        module, _, leaf = name.rpartition(".")
+        fused = modules.get(module)
+        if isinstance(fused, VocabEmbedding):
+            out[name] = tensor[: fused.vocab_size]
+        if not isinstance(fused, MergedLinear):
+            out.setdefault(name, tensor)
+            continue
+        parent = module.rpartition(".")[0]
+        for part, piece in zip(fused.shards, tensor.split(fused.splits), strict=True):
+            out[f"{parent}.{part}.{leaf}"] = piece
+    return out
 
 
 DUMMY_CHUNK = 1 << 24

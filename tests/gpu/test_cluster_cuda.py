@@ -12,6 +12,7 @@ import torch
 
 from core.config import ModelConfig
 from core.models import load_model
+from core.models.loading import unmerged_state_dict
 from kernels.attention import TorchAttention
 from tests.e2e.cluster import Cluster
 from tests.e2e.test_cluster import generate_all, tokens_of, wait_blocks_returned
@@ -48,7 +49,7 @@ def hf_with_dummy_weights(model_dir: Path) -> torch.nn.Module:
         ModelConfig.from_pretrained(model_dir, dtype="float32", load_format="dummy"), TorchAttention(), "cuda"
     )
     hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32).cuda().eval()
-    result = hf.load_state_dict(ours.state_dict(), strict=False)
+    result = hf.load_state_dict(unmerged_state_dict(ours), strict=False)
     assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}, result
     return hf
 

@@ -61,7 +61,7 @@ def test_dummy_weights_are_seeded_and_need_no_checkpoint(tmp_path: Path, tiny_ll
     a = engine(config_only, load_format="dummy", seed=1)
     b = engine(config_only, load_format="dummy", seed=1)
     c = engine(config_only, load_format="dummy", seed=2)
-    wa, wb, wc = (e.runner.model.state_dict()["model.layers.0.mlp.up_proj.weight"] for e in (a, b, c))
+    wa, wb, wc = (e.runner.model.state_dict()["model.layers.0.mlp.gate_up_proj.weight"] for e in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
     norm = a.runner.model.state_dict()["model.norm.weight"]
     assert torch.equal(norm, torch.ones_like(norm))
