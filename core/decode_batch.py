@@ -9,6 +9,11 @@ length 0, so a captured CUDA graph of a larger batch writes only the null block 
 
 NOTE: block-table entries past a request's length may be stale; kernels never read them (they stop at
 seq_lens), and a padding row's first entry is always the null block.
+
+Tokens still on the device: while a decode step is in flight, the engine launches the next one before the
+host has read the tokens the first one sampled. Those rows take their input id on the device from
+`sampled` (the in-flight step's tokens, by its row): the host stages id 0 and the source row, the rest
+stage their known id and the always-zero slot sampled[max_batch]; one gather and one add, in place.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ class DecodeBatch:
     def __init__(self, max_batch: int, max_blocks: int, block_size: int, device: torch.device) -> None:
         self.max_batch, self.max_blocks, self.block_size, self.device = max_batch, max_blocks, block_size, device
         pin = device.type == "cuda"
-        self.ids_pos_cpu = torch.zeros(2, max_batch, dtype=torch.int64, pin_memory=pin)  # [ids; positions]
+        # [ids; positions; row of `sampled` added to the id]
+        self.ids_pos_cpu = torch.zeros(3, max_batch, dtype=torch.int64, pin_memory=pin)
         self.seq_lens_cpu = torch.zeros(max_batch, dtype=torch.int32, pin_memory=pin)
         self.tables_cpu = torch.zeros(max_batch, max_blocks, dtype=torch.int32, pin_memory=pin)
         on_host = device.type == "cpu"
@@ -38,6 +44,8 @@ class DecodeBatch:
         self._ids_pos_np = self.ids_pos_cpu.numpy()
         self._seq_lens_np = self.seq_lens_cpu.numpy()
         self._tables_np = self.tables_cpu.numpy()
+        self.sampled = torch.zeros(max_batch + 1, dtype=torch.int64, device=device)  # [max_batch + 1], last 0
+        self._gathered = torch.zeros(max_batch, dtype=torch.int64, device=device)
         # What row i of the host block table holds: (request, its blocks_epoch, number of its blocks).
         self._rows: list[tuple[Request | None, int, int]] = [(None, 0, 0)] * max_batch
 
@@ -49,23 +57,34 @@ class DecodeBatch:
     def positions(self) -> torch.Tensor:
         return self.ids_pos[1]
 
-    def load(self, reqs: Sequence[Request], padded: int) -> list[int]:
+    def load(self, reqs: Sequence[Request], padded: int, sampled_rows: Sequence[int] | None = None) -> list[int]:
         """Stage the next token of each request in rows [0, len(reqs)), padding up to `padded`, and copy
-        to the device. Returns the sequence lengths (host ints)."""
+        to the device. Returns the sequence lengths (host ints).
+
+        sampled_rows[i] >= 0: request i's next token is not on the host yet; it is sampled[sampled_rows[i]].
+        """
         n = len(reqs)
         assert n <= padded <= self.max_batch, f"batch {n} padded to {padded} exceeds {self.max_batch} rows"
         ids_pos, seq_lens = self._ids_pos_np, self._seq_lens_np
         positions = [req.num_computed_tokens for req in reqs]
         lens = [pos + 1 for pos in positions]
-        ids_pos[0, :n] = [req.token_ids[pos] for req, pos in zip(reqs, positions, strict=True)]
+        if sampled_rows is None:
+            ids_pos[0, :n] = [req.token_ids[pos] for req, pos in zip(reqs, positions, strict=True)]
+        else:
+            staged = zip(reqs, positions, sampled_rows, strict=True)
+            ids_pos[0, :n] = [0 if r >= 0 else req.token_ids[p] for req, p, r in staged]
+            ids_pos[2, :n] = [r if r >= 0 else self.max_batch for r in sampled_rows]
         ids_pos[1, :n] = positions
         seq_lens[:n] = lens
         tables_dirty = any([self._load_row(i, req) for i, req in enumerate(reqs)])  # NOTE: a list: every row loads
-        ids_pos[:, n:padded] = 0
+        ids_pos[:2, n:padded] = 0
         seq_lens[n:padded] = 0
         for i in range(n, padded):
             tables_dirty |= self._clear_row(i)
         self._to_device(padded, tables_dirty)
+        if sampled_rows is not None:
+            gathered = torch.index_select(self.sampled, 0, self.ids_pos[2, :n], out=self._gathered[:n])
+            self.ids_pos[0, :n].add_(gathered)
         return lens
 
     def _load_row(self, row: int, req: Request) -> bool:
@@ -88,7 +107,7 @@ class DecodeBatch:
     def _to_device(self, padded: int, tables_dirty: bool) -> None:
         if self.device.type == "cpu":
             return
-        self.ids_pos[:, :padded].copy_(self.ids_pos_cpu[:, :padded], non_blocking=True)
+        self.ids_pos[:, :padded].copy_(self.ids_pos_cpu[:, :padded], non_blocking=True)  # NOTE: row 2 may be stale
         self.seq_lens[:padded].copy_(self.seq_lens_cpu[:padded], non_blocking=True)
         if tables_dirty:
             self.block_tables[:padded].copy_(self.tables_cpu[:padded], non_blocking=True)

@@ -12,7 +12,7 @@ from core.block_pool import BlockPool
 from core.config import EngineConfig
 from core.errors import InvalidRequestError
 from core.kv_cache_manager import KVCacheManager
-from core.model_runner import KVAllocator, ModelRunner
+from core.model_runner import KVAllocator, ModelRunner, is_decode_pass
 from core.request import Request, RequestStatus
 from core.sampler import Sampler, SamplingState
 from core.sampling_params import SamplingParams
@@ -46,8 +46,36 @@ class EngineStats:
     """Requests sent back to waiting for lack of KV blocks."""
 
 
+PLACEHOLDER = -1
+"""Stands in token_ids for a token sampled by the in-flight step until the host reads it."""
+
+
+class InFlightStep(NamedTuple):
+    """A launched decode step whose sampled tokens the host has not read yet."""
+
+    reqs: list[Request]
+    """Requests in row order."""
+    rows: dict[Request, int]
+    """Row of each request (where the next step gathers its input token from on the device)."""
+    indices: list[int]
+    """Where each request's placeholder sits in its token_ids."""
+    tokens: torch.Tensor  # [len(reqs)] int64, host (pinned on CUDA)
+    done: torch.cuda.Event | None
+    """Recorded after the copy to `tokens`; None on CPU (the copy was synchronous)."""
+
+
 class Engine:
-    """Continuous-batching engine over one model and one paged KV cache."""
+    """Continuous-batching engine over one model and one paged KV cache.
+
+    Decode steps overlap the host with the device: a pure decode pass is launched (forward, sampling, and an
+    asynchronous copy of the tokens to pinned memory) before the host reads the previous step's tokens, so the
+    device runs step n + 1 while the host stops, streams and schedules around step n. The next step takes
+    the tokens it has not read yet straight from the device (DecodeBatch.sampled); token_ids hold PLACEHOLDER
+    there meanwhile. A request that finished at step n has run once more in step n + 1; that token is
+    dropped. Any other pass (prefill chunks, cache hits, copies, preemptions, seeded or min_tokens sampling,
+    whose sampling state must count the unread token) first reads the in-flight step, then runs in order.
+    Outputs of a decode step therefore arrive one step() call later.
+    """
 
     def __init__(
         self, config: EngineConfig, backend: AttentionBackend | None = None, kv_allocator: KVAllocator | None = None
@@ -61,6 +89,11 @@ class Engine:
         self.sampler = Sampler(self.runner.device)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
+        self._in_flight: InFlightStep | None = None
+        pin = self.runner.device.type == "cuda"
+        # NOTE: two host buffers: a launch must not overwrite the tokens of the step still to be read
+        rows = config.scheduler.max_num_seqs
+        self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in "ab"]
 
     @property
     def num_forward_calls(self) -> int:
@@ -128,7 +161,8 @@ class Engine:
         return req.block_ids
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests are queued or running, or a step's tokens are still to be read (call step())."""
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; None if it is unknown or already finished."""
@@ -139,18 +173,73 @@ class Engine:
         return self._output(req, [])
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling round and at most one forward pass."""
+        """One scheduling round and at most one forward pass; outputs of the pass, or of the previous decode
+        pass when this one is a decode pass that overlaps it (see the class docstring)."""
         plan = self.scheduler.schedule()
         self.stats.num_preemptions += len(plan.preempted)
+        if self._overlaps(plan):
+            launched = self._launch_decode(plan)
+            outputs = self._read_in_flight()
+            self._in_flight = launched
+            return outputs
+        outputs = self._read_in_flight()
+        if outputs:  # NOTE: requests that the read just finished leave the plan
+            plan.chunks = [c for c in plan.chunks if c.req.status is not RequestStatus.FINISHED]
         sampled, rows = self._run(plan)
         if not sampled:
-            return []
+            return outputs
         tokens = self.sampler.sample(rows, [r.sampling for r, _ in sampled]).tolist()
         # NOTE: only a prompt's first token may cache its logits row; other rows are never sliced out.
-        return [
+        return outputs + [
             self._accept(req, token, rows[i] if computed and req.num_output_tokens == 0 else None)
             for i, ((req, computed), token) in enumerate(zip(sampled, tokens, strict=True))
         ]
+
+    def _overlaps(self, plan: StepPlan) -> bool:
+        """A pure decode pass whose sampling does not depend on how many tokens the host has read."""
+        if plan.cached_hits or plan.copies or plan.preempted or not plan.chunks or not is_decode_pass(plan.chunks):
+            return False
+        states = (c.req.sampling for c in plan.chunks)
+        return all(s.params.seed is None and s.num_generated >= s.params.min_tokens for s in states)
+
+    def _launch_decode(self, plan: StepPlan) -> InFlightStep:
+        """Forward + sampling of a decode pass, tokens copied to the host asynchronously; no host sync."""
+        reqs = [c.req for c in plan.chunks]
+        prev = self._in_flight
+        sampled_rows = None if prev is None else [prev.rows.get(req, -1) for req in reqs]
+        logits = self.runner.execute(plan, sampled_rows)  # [n, vocab]
+        tokens = self.sampler.sample(logits, [req.sampling for req in reqs])  # [n] on the device
+        n = len(reqs)
+        self.runner.decode_batch.sampled[:n].copy_(tokens)
+        host = self._host_tokens[0][:n]
+        self._host_tokens.reverse()
+        host.copy_(tokens, non_blocking=True)
+        done = None
+        if tokens.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        indices = []
+        for req in reqs:
+            req.num_computed_tokens += 1
+            indices.append(len(req.token_ids))
+            req.token_ids.append(PLACEHOLDER)
+        return InFlightStep(reqs, {req: i for i, req in enumerate(reqs)}, indices, host, done)
+
+    def _read_in_flight(self) -> list[RequestOutput]:
+        """Wait for the in-flight step's tokens and accept them; finished or aborted requests drop theirs."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return []
+        if step.done is not None:
+            step.done.synchronize()
+        outputs = []
+        for req, index, token in zip(step.reqs, step.indices, step.tokens.tolist(), strict=True):
+            if req.status is RequestStatus.FINISHED:
+                continue
+            req.token_ids[index] = token
+            self.kv.commit(req, None)
+            outputs.append(self._stop_or_continue(req, token, index + 1))
+        return outputs
 
     def _run(self, plan: StepPlan) -> tuple[list[tuple[Request, bool]], torch.Tensor]:
         """Forward pass + cached hits -> (request, computed by this pass) pairs that sample now, and their
@@ -184,15 +273,20 @@ class Engine:
         if len(tokens) == req.num_prompt_tokens:
             self.stats.num_cached_prompt_tokens += req.num_cached_tokens
         tokens.append(token)
+        return self._stop_or_continue(req, token, len(tokens))
+
+    def _stop_or_continue(self, req: Request, token: int, num_tokens: int) -> RequestOutput:
+        """Count a token that is now token_ids[num_tokens - 1]; finish the request if it stopped."""
         reason = req.sampling.check_stop(token)
-        if reason is None and len(tokens) >= self.config.model.max_model_len:
+        if reason is None and num_tokens >= self.config.model.max_model_len:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(req, reason)
             del self.requests[req.request_id]
-        return self._output(req, [token])
+        return self._output(req, [token], num_tokens)
 
-    def _output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+    def _output(self, req: Request, new_tokens: list[int], num_tokens: int | None = None) -> RequestOutput:
+        """num_tokens: the request's tokens through the last new one (default: all of token_ids)."""
         done = req.status is RequestStatus.FINISHED
         return RequestOutput(
             req.request_id,
@@ -200,7 +294,7 @@ class Engine:
             done,
             req.finish_reason if done else None,
             req.num_prompt_tokens,
-            len(req.token_ids) - req.num_prompt_tokens,
+            (len(req.token_ids) if num_tokens is None else num_tokens) - req.num_prompt_tokens,
             req.num_cached_tokens,
         )
 

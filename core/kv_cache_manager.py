@@ -122,7 +122,7 @@ class KVCacheManager:
             return
         num_full = req.num_computed_tokens // self.block_size
         if num_full > req.num_registered_blocks:  # NOTE: hashes are extended only when a block fills
-            hashes = self._extend_hashes(req)
+            hashes = self._extend_hashes(req, num_full)
             for i in range(req.num_registered_blocks, num_full):
                 self.pool.cache_block(req.block_ids[i], hashes[i])
             req.num_registered_blocks = num_full
@@ -143,9 +143,14 @@ class KVCacheManager:
         req.num_registered_blocks = 0
         req.tail_shared = False
 
-    def _extend_hashes(self, req: Request) -> list[int]:
+    def _extend_hashes(self, req: Request, num_blocks: int | None = None) -> list[int]:
+        """req.block_hashes extended to its first num_blocks full blocks (default: every full block).
+
+        NOTE: commit asks only for computed blocks: a token still being sampled (the engine's placeholder
+        while a decode step is in flight) must never enter a hash.
+        """
         bs, hashes = self.block_size, req.block_hashes
-        for i in range(len(hashes), req.num_tokens // bs):
+        for i in range(len(hashes), req.num_tokens // bs if num_blocks is None else num_blocks):
             hashes.append(hash_block_tokens(hashes[-1] if hashes else None, req.token_ids[i * bs : (i + 1) * bs]))
         return hashes
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -112,24 +112,30 @@ class ModelRunner:
         self.kv_pool[:, :, dst_t] = self.kv_pool[:, :, src_t]
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> torch.Tensor:
-        """Run plan.chunks through the model; [num_sampling_chunks, vocab] float32 logits, in chunk order."""
+    def execute(self, plan: StepPlan, sampled_rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Run plan.chunks through the model; [num_sampling_chunks, vocab] float32 logits, in chunk order.
+
+        sampled_rows (decode passes only): see DecodeBatch.load; the engine's in-flight tokens.
+        """
         if plan.copies:
             self.copy_blocks([c.src for c in plan.copies], [c.dst for c in plan.copies])
         self.num_forward_calls += 1
         self.num_forward_tokens += plan.num_tokens
         if is_decode_pass(plan.chunks):
-            return self._execute_decode(plan.chunks)
+            return self._execute_decode(plan.chunks, sampled_rows)
+        assert sampled_rows is None, "only a decode pass takes tokens that are still on the device"
         input_ids, positions, meta, logits_idx = self._prepare(plan)
         self.backend.prepare(meta)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden[logits_idx])  # type: ignore[operator]
 
-    def _execute_decode(self, chunks: list[ScheduledChunk]) -> torch.Tensor:  # [batch, vocab] float32
+    def _execute_decode(
+        self, chunks: list[ScheduledChunk], sampled_rows: Sequence[int] | None
+    ) -> torch.Tensor:  # [batch, vocab] float32
         """A decode pass on the persistent inputs: a CUDA graph replay when one holds the batch."""
         n, batch = len(chunks), self.decode_batch
         graphs = self.graphs if self.graphs is not None and n <= self.graphs.max_size else None
-        seq_lens = batch.load([c.req for c in chunks], graphs.padded_size(n) if graphs else n)
+        seq_lens = batch.load([c.req for c in chunks], graphs.padded_size(n) if graphs else n, sampled_rows)
         if graphs is not None:
             return graphs.replay(n)
         meta = batch.metadata(n, seq_lens)
