@@ -2,6 +2,10 @@
 
 NOTE: a pull only enqueues the copy (kvtransfer.base): the request decodes at once, its lease is released
 once the copy is done (polled every loop iteration), or at once when the pull failed.
+
+In a cluster without prefill workers (colocated mode, the baseline of the benchmarks) the router sends
+GenerateCmd here instead: the engine prefills the prompt itself (chunked, beside the running decodes) and
+streams every token, the first one included.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from core.engine import Engine
 from core.errors import InvalidRequestError
 from core.messages import (
     AbortCmd,
+    GenerateCmd,
     HandoffCmd,
     HandshakeCmd,
     HandshakeEvent,
@@ -90,7 +95,7 @@ class DecodeWorker(WorkerBase):
         self.releasing: list[_PendingRelease] = []  # adopted handoffs whose copies are in flight (still leased)
         self.aborted: OrderedDict[str, None] = OrderedDict()  # recent aborts, for handoffs that race them
         self.num_blocks_pulled: int = 0
-        self.timings: dict[str, Timings] = {}  # handed-off requests whose first decode event is not out yet
+        self.timings: dict[str, Timings] = {}  # requests whose first event (it carries these) is not out yet
 
     def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
         layout = KVLayout.from_engine_config(self.cfg, num_blocks)
@@ -109,10 +114,21 @@ class DecodeWorker(WorkerBase):
         if isinstance(msg, HandoffCmd):
             self.waiting.append(msg)
             self._admit_waiting()
+        elif isinstance(msg, GenerateCmd) and not self.to_prefill:
+            self._generate(msg)
         elif isinstance(msg, AbortCmd):
             self._abort(msg.request_id)
         else:
             log.warning("decode worker ignores %s", type(msg).__name__)
+
+    def _generate(self, cmd: GenerateCmd) -> None:
+        """Colocated mode: prefill and decode the request here."""
+        try:
+            self.engine.add_request(cmd.request_id, cmd.token_ids, sampling_to_params(cmd.sampling))
+        except InvalidRequestError as exc:
+            ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "INVALID_ARGUMENT", str(exc)))
+            return
+        self.timings[cmd.request_id] = Timings(arrival=cmd.timings.arrival, prefill_start=time.time())
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -231,6 +247,10 @@ class DecodeWorker(WorkerBase):
     def step_engine(self) -> None:
         for out in self.engine.step():
             index = out.num_output_tokens - len(out.new_token_ids)
+            timings = self.timings.pop(out.request_id, None)
+            if timings is not None and index == 0:  # NOTE: colocated: this worker computed the first token
+                now = time.time()
+                timings = dataclasses.replace(timings, prefill_end=now, first_token=now, handoff_end=now)
             ipc.send(
                 self.to_router,
                 TokenEvent(
@@ -240,5 +260,6 @@ class DecodeWorker(WorkerBase):
                     out.finish_reason,
                     out.num_prompt_tokens,
                     out.num_cached_tokens,
+                    timings,
                 ),
             )

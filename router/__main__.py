@@ -17,15 +17,15 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--run-dir", required=True, help="the cluster's run directory (ipc sockets)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
     p.add_argument("--bind", default="127.0.0.1", help="gRPC host to listen on")
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill workers (0: colocated decode workers)")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence before a worker is down")
     p.add_argument("--block-size", type=int, default=None, help="the workers' KV block size (for GetModelInfo)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds streams get to finish on SIGTERM")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
-    if args.prefill < 1 or args.decode < 1:
-        p.error("--prefill and --decode must be >= 1")
+    if args.prefill < 0 or args.decode < 1:
+        p.error("--prefill must be >= 0 and --decode >= 1")
     if args.heartbeat_timeout <= 0:
         p.error("--heartbeat-timeout must be > 0")
     logging.basicConfig(

@@ -14,7 +14,7 @@ class RouterConfig:
     run_dir: str
     """The cluster's run directory, home of every ipc socket (core/ipc.py)."""
     num_prefill: int = 1
-    """Prefill workers 0..num_prefill-1."""
+    """Prefill workers 0..num_prefill-1; 0: colocated mode (decode workers prefill their own requests)."""
     num_decode: int = 1
     """Decode workers 0..num_decode-1."""
     port: int = 50051
@@ -27,6 +27,10 @@ class RouterConfig:
     """KV block size of the workers, reported by GetModelInfo when known."""
     grace_s: float = 5.0
     """On SIGTERM, streams in flight get this long to finish."""
+
+    @property
+    def colocated(self) -> bool:
+        return self.num_prefill == 0
 
     @property
     def address(self) -> str:

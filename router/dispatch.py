@@ -10,8 +10,13 @@ class NoWorkerError(RuntimeError):
     """No prefill or no decode worker is up (gRPC UNAVAILABLE)."""
 
 
+COLOCATED = -1
+"""prefill_worker of a request that its decode worker prefills itself (a cluster without prefill workers)."""
+
+
 class Assignment(NamedTuple):
     prefill_worker: int
+    """A prefill worker, or COLOCATED."""
     decode_worker: int
 
 
@@ -32,9 +37,13 @@ def assign(
     num_at_prefill: Mapping[int, int],
     num_at_decode: Mapping[int, int],
     num_free_blocks: Mapping[int, int],
+    colocated: bool = False,
 ) -> Assignment:
-    """A prefill and a decode worker for a new request; NoWorkerError when either role has none up."""
-    prefill = choose_prefill(prefill_up, num_at_prefill)
+    """A prefill and a decode worker for a new request; NoWorkerError when either role has none up.
+
+    colocated: the cluster has no prefill workers; the decode worker prefills too.
+    """
+    prefill = COLOCATED if colocated else choose_prefill(prefill_up, num_at_prefill)
     decode = choose_decode(decode_up, num_at_decode, num_free_blocks)
     if prefill is None:
         raise NoWorkerError("no prefill worker is up")

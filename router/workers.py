@@ -37,7 +37,7 @@ from core.messages import (
     decode,
 )
 from router.config import RouterConfig
-from router.dispatch import NoWorkerError, assign
+from router.dispatch import COLOCATED, NoWorkerError, assign
 from router.requests import DuplicateRequestError, RequestTable, TrackedRequest
 
 log = logging.getLogger(__name__)
@@ -107,8 +107,8 @@ class Liveness:
 
     @property
     def serving(self) -> bool:
-        """At least one prefill and one decode worker are up."""
-        return bool(self.up("prefill")) and bool(self.up("decode"))
+        """At least one prefill (if the cluster has any) and one decode worker are up."""
+        return (not self.workers["prefill"] or bool(self.up("prefill"))) and bool(self.up("decode"))
 
 
 class WorkerHub:
@@ -150,20 +150,28 @@ class WorkerHub:
         live = self.liveness
         workers = assign(
             live.up("prefill"), live.up("decode"),
-            self.table.num_at_prefill, self.table.num_at_decode, live.free_blocks("decode"),
+            self.table.num_at_prefill, self.table.num_at_decode, live.free_blocks("decode"), self.cfg.colocated,
         )  # fmt: skip
         req = self.table.open(request_id, *workers)
         cmd = GenerateCmd(request_id, token_ids, sampling, workers.decode_worker, Timings(arrival=arrival))
-        if not ipc.send(self.to_prefill[workers.prefill_worker], cmd):
+        target, name = self._first_worker(workers.prefill_worker, workers.decode_worker)
+        if not ipc.send(target, cmd):
             self.table.close(request_id)
-            raise NoWorkerError(f"prefill worker {workers.prefill_worker} is not reachable")
+            raise NoWorkerError(f"{name} is not reachable")
         return req
+
+    def _first_worker(self, prefill: int, decode: int) -> tuple[zmq.Socket, str]:
+        """Where GenerateCmd goes: the prefill worker, or in colocated mode the decode worker."""
+        if prefill == COLOCATED:
+            return self.to_decode[decode], f"decode worker {decode}"
+        return self.to_prefill[prefill], f"prefill worker {prefill}"
 
     def abort(self, req: TrackedRequest) -> None:
         """Tell both workers of req to drop it (harmless if either already has)."""
         if self.closed:  # NOTE: streams cancelled at shutdown finish after the sockets are gone
             return
-        ipc.send(self.to_prefill[req.prefill_worker], AbortCmd(req.request_id))
+        if req.prefill_worker != COLOCATED:
+            ipc.send(self.to_prefill[req.prefill_worker], AbortCmd(req.request_id))
         ipc.send(self.to_decode[req.decode_worker], AbortCmd(req.request_id))
 
     def release(self, request_id: str) -> None:

