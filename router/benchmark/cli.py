@@ -1,0 +1,187 @@
+"""`pdserve-bench-serving`: benchmark a running pdserve router the way vLLM's benchmark_serving does.
+
+    pdserve-bench-serving --dataset random --num-prompts 200 --input-len 512:1024 --output-len 128 \\
+        --request-rate 8 --result-json bench/results/serving.json --plot bench/results/serving
+    pdserve-bench-serving --dataset shared-prefix --num-groups 8 --prefix-len 900 --suffix-len 100 --output-len 30
+    pdserve-bench-serving --dataset long-prompt --num-short 16 --long-rate 0.5 --duration 60
+    pdserve-bench-serving --dataset duplicate --model-dir models/smollm2 --num-groups 16 --copies 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from router.benchmark import datasets as ds
+from router.benchmark.metrics import build_report, format_table, parse_goodput, parse_percentiles
+from router.benchmark.runner import RunConfig, fetch_model_info, run_workload
+from router.tokenizer import RouterTokenizer
+
+DATASETS = ("random", "shared-prefix", "long-prompt", "duplicate")
+DEFAULT_OUTPUT_LEN = {"random": "128", "shared-prefix": "30", "duplicate": "128"}
+DATASET_ARGS = {
+    "random": ("num_prompts", "input_len", "output_len"),
+    "shared-prefix": ("num_prompts", "num_groups", "prefix_len", "suffix_len", "output_len"),
+    "long-prompt": ("num_short", "short_input_len", "short_output_len", "long_input_len", "long_output_len",
+                    "long_rate", "duration"),
+    "duplicate": ("num_groups", "copies", "num_words", "output_len", "model_dir"),
+}  # fmt: skip
+ARRIVAL_ARGS = ("request_rate", "burstiness", "max_concurrency", "seed")
+
+
+def add_dataset_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared with scripts/bench_transformers_baseline.py (random and shared-prefix)."""
+    p.add_argument("--num-prompts", type=int, default=100, help="requests (random, shared-prefix)")
+    p.add_argument("--input-len", default="1024", help="prompt tokens, N or MIN:MAX (random)")
+    p.add_argument("--output-len", default=None, help="output tokens, N or MIN:MAX (default 128; shared-prefix 30)")
+    p.add_argument("--num-groups", type=int, default=8, help="prefix groups / distinct texts")
+    p.add_argument("--prefix-len", type=int, default=900, help="tokens shared by a group (shared-prefix)")
+    p.add_argument("--suffix-len", type=int, default=100, help="tokens unique to a request (shared-prefix)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdserve-bench-serving", description="Serving benchmark of a pdserve router.")
+    p.add_argument("--address", default="127.0.0.1:50051", help="router host:port")
+    p.add_argument("--dataset", choices=DATASETS, default="random")
+    add_dataset_args(p)
+    p.add_argument("--num-short", type=int, default=8, help="concurrent short streams (long-prompt)")
+    p.add_argument("--short-input-len", type=int, default=32)
+    p.add_argument("--short-output-len", type=int, default=256)
+    p.add_argument("--long-input-len", type=int, default=4000)
+    p.add_argument("--long-output-len", type=int, default=16)
+    p.add_argument("--long-rate", type=float, default=0.5, help="long prompts per second, Poisson (long-prompt)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds (long-prompt)")
+    p.add_argument("--copies", type=int, default=2, help="requests per text (duplicate)")
+    p.add_argument("--num-words", default="64:128", help="words per text, N or MIN:MAX (duplicate)")
+    p.add_argument("--model-dir", default=None, help="model folder with tokenizer.json (duplicate)")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s; inf sends all at once")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None, help="open-loop requests in flight at most")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--percentiles", default="50,90,95,99", help="comma-separated, e.g. 50,90,99.9")
+    p.add_argument("--goodput", nargs="+", default=[], metavar="KIND:MS", help="SLOs, KIND in ttft, tpot, e2el")
+    p.add_argument("--result-json", default=None, help="write the results here")
+    p.add_argument("--save-detailed", action="store_true", help="per-request records in the JSON")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write ttft_cdf/itl_cdf/latency_over_time PNGs")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the router")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    args = p.parse_args(argv)
+    if args.output_len is None:
+        args.output_len = DEFAULT_OUTPUT_LEN.get(args.dataset, "128")
+    if args.dataset == "duplicate" and not args.model_dir:
+        p.error("--dataset duplicate needs --model-dir (the tokenizer)")
+    return args
+
+
+def build_specs(args: argparse.Namespace, vocab: ds.VocabInfo) -> list[ds.RequestSpec]:
+    """The random or shared-prefix requests (no start times)."""
+    output_len = ds.parse_range(args.output_len)
+    if args.dataset == "random":
+        return ds.random_dataset(vocab, args.num_prompts, ds.parse_range(args.input_len), output_len, args.seed)
+    if args.dataset == "shared-prefix":
+        return ds.shared_prefix_dataset(
+            vocab, args.num_prompts, args.num_groups, args.prefix_len, args.suffix_len, output_len, args.seed
+        )
+    raise ValueError(f"no static specs for {args.dataset}")
+
+
+def build_workload(args: argparse.Namespace, vocab: ds.VocabInfo) -> ds.Workload:
+    """The dataset named by --dataset, open-loop requests scheduled by --request-rate/--burstiness."""
+    if args.dataset == "long-prompt":
+        short = (args.short_input_len, args.short_output_len)
+        long = (args.long_input_len, args.long_output_len)
+        return ds.long_prompt_workload(vocab, args.num_short, short, long, args.long_rate, args.duration, args.seed)
+    if args.dataset == "duplicate":
+        tokenizer = RouterTokenizer.from_dir(args.model_dir)
+        specs = ds.duplicate_dataset(
+            tokenizer, vocab.vocab_size, args.num_groups, args.copies, ds.parse_range(args.num_words),
+            ds.parse_range(args.output_len), args.seed,
+        )  # fmt: skip
+    else:
+        specs = build_specs(args, vocab)
+    return ds.schedule(specs, args.request_rate, args.burstiness, args.seed)
+
+
+def model_json(info: pb.ModelInfo) -> dict[str, Any]:
+    block = info.block_size if info.HasField("block_size") else None
+    return {
+        "model_name": info.model_name,
+        "vocab_size": info.vocab_size,
+        "max_model_len": info.max_model_len,
+        "block_size": block,
+        "eos_token_ids": list(info.eos_token_ids),
+    }
+
+
+def run_config_json(args: argparse.Namespace, argv: Sequence[str], backend: str, model: dict[str, Any]) -> dict:
+    """The "config" section of the result JSON."""
+    dataset = {name: getattr(args, name) for name in DATASET_ARGS.get(args.dataset, ())}
+    return {
+        "backend": backend,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "argv": list(argv),
+        "address": getattr(args, "address", None),
+        "dataset": {"name": args.dataset, **dataset},
+        "arrivals": {name: getattr(args, name, None) for name in ARRIVAL_ARGS},
+        "sampling": {"ignore_eos": getattr(args, "ignore_eos", True), "temperature": getattr(args, "temperature", 0.0)},
+        "model": model,
+    }
+
+
+def _strict(obj: Any) -> Any:
+    """inf/nan floats (e.g. --request-rate inf) as strings, so the file stays strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_strict(v) for v in obj]
+    return obj
+
+
+def write_json(report: dict[str, Any], path: str | Path) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(_strict(report), indent=2, allow_nan=False, default=str) + "\n")
+
+
+def print_report(report: dict[str, Any], percentiles: Sequence[float]) -> None:
+    print(format_table(report["metrics"], percentiles))
+    tags = report["metrics_by_tag"]
+    if len(tags) > 1:
+        for tag, metrics in tags.items():
+            print(format_table(metrics, percentiles, title=f"tag: {tag}"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    percentiles, slos = parse_percentiles(args.percentiles), parse_goodput(args.goodput)
+    info = asyncio.run(fetch_model_info(args.address, args.timeout))
+    vocab = ds.VocabInfo(info.vocab_size, tuple(info.eos_token_ids))
+    workload = build_workload(args, vocab)
+    config = RunConfig(
+        args.address, args.max_concurrency, args.ignore_eos, args.temperature, args.timeout, not args.no_progress
+    )
+    records = asyncio.run(run_workload(workload, config))
+    report = build_report(
+        run_config_json(args, argv, "pdserve", model_json(info)), records, percentiles, slos, args.save_detailed
+    )
+    print_report(report, percentiles)
+    if args.result_json:
+        write_json(report, args.result_json)
+    if args.plot:
+        from router.benchmark.plots import write_plots  # NOTE: matplotlib is optional (the `bench` extra).
+
+        write_plots(records, args.plot)
+    return 0 if report["metrics"]["failed"] == 0 else 1

@@ -1,0 +1,155 @@
+"""Send a workload to a pdserve router over grpc.aio, one task per request, and record every response's time."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from tqdm import tqdm
+
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router.benchmark.datasets import ClosedLoop, RequestSpec, Workload
+from router.benchmark.metrics import RequestRecord
+
+FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in pb.FinishReason.items()}
+TIMING_FIELDS = ("queue_ms", "prefill_ms", "handoff_ms", "first_token_ms")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How the runner talks to the router."""
+
+    address: str
+    """host:port of the router's gRPC server."""
+    max_concurrency: int | None = None
+    """Open-loop requests in flight at most; None = unlimited."""
+    ignore_eos: bool = True
+    """Generate exactly max_tokens tokens."""
+    temperature: float = 0.0
+    """0 = greedy."""
+    ready_timeout_s: float = 30.0
+    """How long to wait for the channel to connect."""
+    show_progress: bool = True
+    """Draw a tqdm progress bar on stderr."""
+
+
+async def fetch_model_info(address: str, timeout_s: float = 30.0) -> pb.ModelInfo:
+    """GetModelInfo, waiting up to timeout_s for the router."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        await asyncio.wait_for(channel.channel_ready(), timeout_s)
+        return await pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+
+
+def build_request(spec: RequestSpec, config: RunConfig) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(
+        max_tokens=spec.output_len, ignore_eos=config.ignore_eos, temperature=config.temperature
+    )
+    if spec.send_as == "text":
+        return pb.GenerateRequest(text=spec.text or "", sampling=sampling)
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=spec.prompt_ids), sampling=sampling)
+
+
+class _Clock:
+    """Seconds since the benchmark started (perf_counter based)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+async def send_one(
+    stub: pb_grpc.GenerationStub, spec: RequestSpec, index: int, config: RunConfig, clock: _Clock
+) -> RequestRecord:
+    """Stream one request; a gRPC error or a token-count mismatch makes a failed record."""
+    times: list[float] = []
+    counts: list[int] = []
+    last: pb.GenerateResponse | None = None
+    send = clock.now()
+    error: str | None = None
+    try:
+        async for response in stub.Generate(build_request(spec, config)):
+            times.append(clock.now())
+            counts.append(len(response.token_ids))
+            last = response
+    except grpc.aio.AioRpcError as exc:
+        error = f"{exc.code().name}: {exc.details()}"
+    end = clock.now()
+    usage = last.usage if last is not None else pb.Usage()
+    if error is None and sum(counts) != usage.completion_tokens:
+        error = f"output tokens {sum(counts)} != usage.completion_tokens {usage.completion_tokens}"
+    timings = {name: getattr(last.timings, name) for name in TIMING_FIELDS} if last is not None else {}
+    return RequestRecord(
+        index, spec.tag, send, end, tuple(times), tuple(counts), usage.prompt_tokens, usage.cached_prompt_tokens,
+        spec.output_len, FINISH_NAMES.get(last.finish_reason, "") if last is not None else "", error, timings,
+    )  # fmt: skip
+
+
+async def _open_loop_one(
+    stub: pb_grpc.GenerationStub,
+    spec: RequestSpec,
+    index: int,
+    config: RunConfig,
+    clock: _Clock,
+    semaphore: asyncio.Semaphore | None,
+) -> RequestRecord:
+    await asyncio.sleep(max(0.0, (spec.start_time or 0.0) - clock.now()))
+    if semaphore is None:
+        return await send_one(stub, spec, index, config, clock)
+    async with semaphore:
+        return await send_one(stub, spec, index, config, clock)
+
+
+async def _closed_loop_stream(
+    stub: pb_grpc.GenerationStub,
+    loop: ClosedLoop,
+    counter: itertools.count,
+    first_index: int,
+    config: RunConfig,
+    clock: _Clock,
+    done: Callable[[RequestRecord], None],
+) -> list[RequestRecord]:
+    """One closed-loop stream: send the next spec as soon as the previous one ends, until duration_s."""
+    records = []
+    while clock.now() < loop.duration_s:
+        k = next(counter)
+        record = await send_one(stub, loop.spec(k), first_index + k, config, clock)
+        records.append(record)
+        done(record)
+    return records
+
+
+async def run_workload(workload: Workload, config: RunConfig) -> list[RequestRecord]:
+    """Run every open-loop request at its start time and the closed loop beside them; records by index."""
+    loop = workload.closed_loop
+    total = len(workload.requests) if loop is None else None
+    bar = tqdm(total=total, disable=not config.show_progress, unit="req")
+    semaphore = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+
+    def done(_: RequestRecord) -> None:
+        bar.update(1)
+
+    async with grpc.aio.insecure_channel(config.address) as channel:
+        await asyncio.wait_for(channel.channel_ready(), config.ready_timeout_s)
+        stub = pb_grpc.GenerationStub(channel)
+        clock = _Clock()
+        tasks = []
+        for i, spec in enumerate(workload.requests):
+            task = asyncio.create_task(_open_loop_one(stub, spec, i, config, clock, semaphore))
+            task.add_done_callback(lambda t: done(t.result()) if not t.cancelled() and not t.exception() else None)
+            tasks.append(task)
+        counter = itertools.count()
+        streams = [
+            asyncio.create_task(_closed_loop_stream(stub, lp, counter, len(tasks), config, clock, done))
+            for lp in ([loop] * loop.num_streams if loop is not None else [])
+        ]
+        opened = await asyncio.gather(*tasks)
+        closed = await asyncio.gather(*streams)
+    bar.close()
+    return sorted([*opened, *(r for stream in closed for r in stream)], key=lambda r: r.index)
