@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""The serving figures of issue 5 on one GPU: clusters started here, loads from `pdserve-bench-serving`.
+
+    python scripts/bench_serving_suite.py --part disagg --out bench/out/serving
+    python scripts/bench_serving_suite.py --part colocated --out bench/out/serving
+
+Parts (each fits one ~10-minute device call):
+- disagg: a prefill + a decode worker on one GPU under a 50/50 MPS split. Long-prompt interference (64
+  short streams x 256 tokens, 4000-token prompts at 2/s) and the same short streams alone (decode-only);
+  shared prefix (900 + 100 tokens, 30 out) at 1, 5, 10, 20 req/s; the exact whole-prompt hit; random
+  512-2048 in / 128-512 out at a Poisson rate. Then the same cluster without the prefix cache for the
+  shared-prefix rates.
+- colocated: one worker doing prefill (chunked) and decode: interference and the random load.
+- transformers: the random load through transformers `generate` in static batches.
+Each run writes its own JSON (and PNGs) under --out; summary.json collects the headline numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from router.benchmark import cli as bench  # noqa: E402
+
+PORT = 50071
+DEVICE = "cuda"
+WORKER_FLAGS = ["--dtype", "bfloat16", "--load-format", "dummy", "--max-num-seqs", "128"]
+COLOCATED_FLAGS = ["--colocated", "--max-num-batched-tokens", "2048", "--prefill-chunk-size", "2048"]
+GOODPUT = ["--goodput", "ttft:1000", "tpot:50"]
+INTERFERENCE = ["--dataset", "long-prompt", "--num-short", "64", "--short-output-len", "256"]
+INTERFERENCE += ["--long-input-len", "4000", "--long-output-len", "16"]
+RANDOM = ["--dataset", "random", "--num-prompts", "100", "--input-len", "512:2048", "--output-len", "128:512"]
+RANDOM += ["--request-rate", "4", *GOODPUT]
+SHARED_RATES = (1, 5, 10, 20)
+EXACT_PREFIX = "1000"
+
+
+class Cluster:
+    """scripts/supervisor.py in the background, on one GPU."""
+
+    def __init__(self, model: Path, run_dir: Path, flags: list[str], log: Path) -> None:
+        argv = [sys.executable, str(ROOT / "scripts" / "supervisor.py"), "--model", str(model), "--device", DEVICE]
+        argv += ["--port", str(PORT), "--run-dir", str(run_dir), *flags]
+        self.log = log
+        self.proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+
+    def wait_ready(self, timeout: float = 300.0) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if "pdserve cluster ready on" in self.log.read_text(errors="replace"):
+                return time.monotonic() - start
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        raise RuntimeError(f"cluster not ready:\n{self.log.read_text(errors='replace')[-4000:]}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def run_bench(out: Path, name: str, args: list[str]) -> dict[str, Any]:
+    """One pdserve-bench-serving run against the cluster on PORT; its JSON report."""
+    path = out / f"{name}.json"
+    argv = ["--address", f"127.0.0.1:{PORT}", "--no-progress", "--save-detailed", "--result-json", str(path), *args]
+    started = time.monotonic()
+    code = bench.main(argv)
+    print(f"== {name}: exit {code}, {time.monotonic() - started:.1f} s", flush=True)
+    return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def with_cluster(model: Path, out: Path, label: str, flags: list[str], runs: list[tuple[str, list[str]]]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(model, out / f"run-{label}", flags, out / f"cluster-{label}.log")
+    try:
+        print(f"== cluster {label} ready in {cluster.wait_ready():.1f} s", flush=True)
+        for name, args in runs:
+            run_bench(out, name, args)
+    finally:
+        cluster.stop()
+
+
+def shared_prefix_runs(label: str) -> list[tuple[str, list[str]]]:
+    base = ["--dataset", "shared-prefix", "--num-groups", "8", "--prefix-len", "900", "--suffix-len", "100"]
+    base += ["--output-len", "30"]
+    return [
+        (f"shared-{label}-rate{r}", [*base, "--num-prompts", str(8 * r), "--request-rate", str(r)])
+        for r in SHARED_RATES
+    ]
+
+
+def part_disagg(model: Path, out: Path) -> None:
+    exact = ["--dataset", "shared-prefix", "--num-groups", "1", "--prefix-len", EXACT_PREFIX, "--suffix-len", "0"]
+    exact += ["--output-len", "1", "--num-prompts", "50", "--max-concurrency", "1"]
+    runs = [
+        ("interference-disagg", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"]),
+        ("interference-decode-only", [*INTERFERENCE, "--long-rate", "0", "--duration", "10"]),
+        *shared_prefix_runs("cache"),
+        ("exact-hit", exact),
+        ("random-disagg", RANDOM),
+    ]
+    with_cluster(model, out, "disagg", WORKER_FLAGS, runs)
+    with_cluster(model, out, "disagg-nocache", [*WORKER_FLAGS, "--no-prefix-caching"], shared_prefix_runs("nocache"))
+
+
+def part_colocated(model: Path, out: Path) -> None:
+    runs = [
+        ("interference-colocated", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"]),
+        ("random-colocated", RANDOM),
+    ]
+    with_cluster(model, out, "colocated", [*WORKER_FLAGS, *COLOCATED_FLAGS], runs)
+    argv = [sys.executable, str(ROOT / "scripts" / "bench_transformers_baseline.py"), "--model", str(model)]
+    argv += ["--dummy", "--dtype", "bfloat16", "--device", DEVICE, "--batch-size", "32", "--save-detailed"]
+    argv += ["--result-json", str(out / "random-transformers.json"), *RANDOM]
+    argv = [a for a in argv if a not in ("--request-rate", "4")]  # NOTE: static batches: all at t=0
+    print(f"== transformers: exit {subprocess.call(argv)}", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["disagg", "colocated"], required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default=None, help="bench model folder (default: a Llama-1B shape made here)")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = Path(args.model) if args.model else Path(os.environ.get("TMPDIR", "/tmp")) / "pdserve-llama-1b"
+    if not args.model:
+        sys.path.insert(0, str(ROOT / "scripts"))
+        from make_bench_model import write_bench_model
+
+        write_bench_model("llama-1b", model)
+    {"disagg": part_disagg, "colocated": part_colocated}[args.part](model, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
