@@ -126,6 +126,15 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class TokenBatchEvent:
+    """Worker -> router: the TokenEvents of one engine step in one frame (a busy decode worker emits one per
+    running request per step; one frame each would make the router's receive loop the bottleneck)."""
+
+    TAG: ClassVar[str] = "token_batch"
+    events: list[TokenEvent]
+
+
+@dataclass(frozen=True)
 class RequestErrorEvent:
     """Worker -> router: the request failed; code is a gRPC status name (INVALID_ARGUMENT, ...)."""
 
@@ -179,6 +188,7 @@ Message = (
     | ReleaseCmd
     | DecodeWorkerLostCmd
     | TokenEvent
+    | TokenBatchEvent
     | RequestErrorEvent
     | HeartbeatEvent
     | HandshakeCmd
@@ -193,6 +203,7 @@ _TYPES: dict[str, type] = {
         ReleaseCmd,
         DecodeWorkerLostCmd,
         TokenEvent,
+        TokenBatchEvent,
         RequestErrorEvent,
         HeartbeatEvent,
         HandshakeCmd,
@@ -236,6 +247,8 @@ def _build(cls: type, fields: dict[str, Any]) -> Any:
         nested = _NESTED.get(name)
         if nested is not None and isinstance(value, dict):
             value = _build(nested, value)
+        elif cls is TokenBatchEvent and name == "events":
+            value = _build_events(value)
         elif isinstance(value, list) and name == "stop_token_ids":
             value = tuple(value)
         kwargs[name] = value
@@ -243,6 +256,12 @@ def _build(cls: type, fields: dict[str, Any]) -> Any:
         return cls(**kwargs)
     except TypeError as exc:
         raise MessageError(f"{cls.__name__}: {exc}") from None
+
+
+def _build_events(value: Any) -> list[TokenEvent]:
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise MessageError("TokenBatchEvent.events must be a list of TokenEvent fields")
+    return [_build(TokenEvent, v) for v in value]
 
 
 def sampling_to_params(s: Sampling) -> SamplingParams:

@@ -33,6 +33,7 @@ from core.messages import (
     ReleaseCmd,
     RequestErrorEvent,
     Timings,
+    TokenBatchEvent,
     TokenEvent,
     decode,
     encode,
@@ -245,14 +246,14 @@ class DecodeWorker(WorkerBase):
         return reply
 
     def step_engine(self) -> None:
+        events = []
         for out in self.engine.step():
             index = out.num_output_tokens - len(out.new_token_ids)
             timings = self.timings.pop(out.request_id, None)
             if timings is not None and index == 0:  # NOTE: colocated: this worker computed the first token
                 now = time.time()
                 timings = dataclasses.replace(timings, prefill_end=now, first_token=now, handoff_end=now)
-            ipc.send(
-                self.to_router,
+            events.append(
                 TokenEvent(
                     out.request_id,
                     index,
@@ -261,5 +262,7 @@ class DecodeWorker(WorkerBase):
                     out.num_prompt_tokens,
                     out.num_cached_tokens,
                     timings,
-                ),
+                )
             )
+        if events:
+            ipc.send(self.to_router, TokenBatchEvent(events))

@@ -22,7 +22,7 @@ from router.config import RouterConfig
 from router.dispatch import NoWorkerError
 from router.model_info import ModelSpec
 from router.requests import DuplicateRequestError, TrackedRequest
-from router.stream import ResponseBuilder, TokenReorderer
+from router.stream import ResponseBuilder, TokenReorderer, merge
 from router.tokenizer import RouterTokenizer
 from router.validation import RequestValidator, ValidationError
 from router.workers import WorkerHub
@@ -81,16 +81,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _stream(
         self, req: TrackedRequest, builder: ResponseBuilder, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        """One response per wake-up: everything that arrived meanwhile goes out together (see stream.merge)."""
         reorderer = TokenReorderer()
         while not builder.finished:
-            item = await req.inbox.get()
-            if isinstance(item, RequestErrorEvent):
-                await context.abort(_status_code(item.code), item.message)
-                return
-            for event in reorderer.push(item):
-                yield builder.build(event, time.time())
-                if builder.finished:
+            items = [await req.inbox.get()]
+            while not req.inbox.empty():
+                items.append(req.inbox.get_nowait())
+            events = []
+            for item in items:
+                if isinstance(item, RequestErrorEvent):
+                    await context.abort(_status_code(item.code), item.message)
                     return
+                events += reorderer.push(item)
+            if events:
+                yield builder.build(merge(events), time.time())
 
 
 class RouterServer:

@@ -50,6 +50,24 @@ class TokenReorderer:
             self.finished = event.finish_reason is not None
 
 
+def merge(events: Sequence[TokenEvent]) -> TokenEvent:
+    """Consecutive in-order events (TokenReorderer output) as one: the tokens of all, the last finish reason,
+    the latest timings. The router sends one response per merge, so a stream whose client or router is
+    behind catches up with fewer, larger responses."""
+    if len(events) == 1:
+        return events[0]
+    timings = next((e.timings for e in reversed(events) if e.timings is not None), None)
+    return TokenEvent(
+        events[0].request_id,
+        events[0].index,
+        [t for e in events for t in e.token_ids],
+        events[-1].finish_reason,
+        max(e.num_prompt_tokens for e in events),
+        max(e.num_cached_tokens for e in events),
+        timings,
+    )
+
+
 class ResponseBuilder:
     """Turns in-order TokenEvents into responses: text deltas, stop strings, and on the last one the finish
     reason, usage and timings."""

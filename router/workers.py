@@ -33,6 +33,7 @@ from core.messages import (
     RequestErrorEvent,
     Sampling,
     Timings,
+    TokenBatchEvent,
     TokenEvent,
     decode,
 )
@@ -194,16 +195,22 @@ class WorkerHub:
     def handle(self, msg: Message) -> None:
         if isinstance(msg, HeartbeatEvent):
             self._heartbeat(msg)
+        elif isinstance(msg, TokenBatchEvent):
+            for event in msg.events:
+                self._deliver(event)
         elif isinstance(msg, (TokenEvent, RequestErrorEvent)):
-            req = self.table.get(msg.request_id)
-            if req is None:
-                log.debug("dropped %s for unknown request %s", type(msg).__name__, msg.request_id)
-                return
-            if isinstance(msg, TokenEvent):
-                self.table.mark_past_prefill(req)
-            req.inbox.put_nowait(msg)
+            self._deliver(msg)
         else:
             log.warning("router ignores %s", type(msg).__name__)
+
+    def _deliver(self, msg: TokenEvent | RequestErrorEvent) -> None:
+        req = self.table.get(msg.request_id)
+        if req is None:
+            log.debug("dropped %s for unknown request %s", type(msg).__name__, msg.request_id)
+            return
+        if isinstance(msg, TokenEvent):
+            self.table.mark_past_prefill(req)
+        req.inbox.put_nowait(msg)
 
     def _heartbeat(self, hb: HeartbeatEvent) -> None:
         try:

@@ -8,7 +8,7 @@ import pytest
 
 from core.messages import Sampling, Timings, TokenEvent
 from proto.pdserve.v1 import pdserve_pb2 as pb
-from router.stream import ResponseBuilder, TokenReorderer
+from router.stream import ResponseBuilder, TokenReorderer, merge
 from router.tokenizer import RouterTokenizer
 
 
@@ -98,3 +98,13 @@ def test_stop_strings_wait_for_min_tokens(tokenizer: RouterTokenizer) -> None:
     b = builder(tokenizer, stop=("x",), min_tokens=2)
     texts = [b.build(TokenEvent("r", i, [t]), 0.0).text for i, t in enumerate(ids[:3])]
     assert texts == ["x", " x", " "] and b.finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_events_that_arrive_together_merge_into_one_in_order_event() -> None:
+    r = TokenReorderer()
+    timed = TokenEvent("r", 0, [10], None, 7, 3, Timings(arrival=1.0, first_token=2.0))
+    ready = [e for event in (ev(2, 12, 13), timed, ev(1, 11), ev(4, 14, finish="length")) for e in r.push(event)]
+    one = merge(ready)
+    assert (one.index, one.token_ids, one.finish_reason) == (0, [10, 11, 12, 13, 14], "length")
+    assert (one.num_prompt_tokens, one.num_cached_tokens, one.timings) == (7, 3, timed.timings)
+    assert merge([timed]) is timed
