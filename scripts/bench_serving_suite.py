@@ -84,7 +84,9 @@ def run_bench(out: Path, name: str, args: list[str]) -> dict[str, Any]:
 
 def with_cluster(model: Path, out: Path, label: str, flags: list[str], runs: list[tuple[str, list[str]]]) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(model, out / f"run-{label}", flags, out / f"cluster-{label}.log")
+    # NOTE: the run folder (sockets, logs) lives outside `out`: a device call brings back few files
+    run_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-suite-{label}"
+    cluster = Cluster(model, run_dir, flags, out / f"cluster-{label}.log")
     try:
         print(f"== cluster {label} ready in {cluster.wait_ready():.1f} s", flush=True)
         for name, args in runs:
