@@ -97,15 +97,7 @@ class ResponseBuilder:
     def build(self, event: TokenEvent, now: float) -> pb.GenerateResponse:
         """The response for one in-order event; `now` is when the router received it (epoch seconds)."""
         self._record(event, now)
-        token_ids: list[int] = []
-        text: list[str] = []
-        for token_id in event.token_ids:
-            token_ids.append(token_id)
-            self.num_generated += 1
-            text.append(self._visible(self.detokenizer.step(token_id)))
-            if self.matcher.stopped:
-                self.finish_reason = pb.FINISH_REASON_STOP
-                break
+        token_ids, text = self._tokens_and_text(event.token_ids)
         if not self.finished and event.finish_reason is not None:
             self.worker_finished = True
             text.append(self._visible(self.detokenizer.flush()))
@@ -118,6 +110,22 @@ class ResponseBuilder:
             response.usage.CopyFrom(self.usage())
             response.timings.CopyFrom(self.timings())
         return response
+
+    def _tokens_and_text(self, new_ids: Sequence[int]) -> tuple[list[int], list[str]]:
+        """The tokens this response carries and their text pieces; stops at a stop string."""
+        if not self.matcher.stops:  # NOTE: the common case: one detokenizer pass for all of them
+            self.num_generated += len(new_ids)
+            return list(new_ids), [self.detokenizer.extend(new_ids)]
+        token_ids: list[int] = []
+        text: list[str] = []
+        for token_id in new_ids:
+            token_ids.append(token_id)
+            self.num_generated += 1
+            text.append(self._visible(self.detokenizer.step(token_id)))
+            if self.matcher.stopped:
+                self.finish_reason = pb.FINISH_REASON_STOP
+                break
+        return token_ids, text
 
     def _visible(self, delta: str) -> str:
         # NOTE: like stop token ids, stop strings only count once min_tokens tokens exist.

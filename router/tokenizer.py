@@ -87,6 +87,11 @@ class IncrementalDetokenizer:
         self.token_ids.append(token_id)
         return self._advance()
 
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """Text several new tokens complete, in one pass: the same text as stepping through them one by one."""
+        self.token_ids.extend(token_ids)
+        return self._advance() if token_ids else ""
+
     def flush(self) -> str:
         """At the end of the stream: held-back text, minus a trailing broken character."""
         prefix = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset])

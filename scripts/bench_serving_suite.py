@@ -41,6 +41,7 @@ INTERFERENCE = ["--dataset", "long-prompt", "--num-short", "64", "--short-output
 INTERFERENCE += ["--long-input-len", "4000", "--long-output-len", "16"]
 RANDOM = ["--dataset", "random", "--num-prompts", "100", "--input-len", "512:2048", "--output-len", "128:512"]
 RANDOM += ["--request-rate", "4", *GOODPUT]
+WARMUP = ["--dataset", "random", "--num-prompts", "48", "--input-len", "8:4000", "--output-len", "4:8"]
 SHARED_RATES = (1, 5, 10, 20)
 EXACT_PREFIX = "1000"
 
@@ -89,6 +90,7 @@ def with_cluster(model: Path, out: Path, label: str, flags: list[str], runs: lis
     cluster = Cluster(model, run_dir, flags, out / f"cluster-{label}.log")
     try:
         print(f"== cluster {label} ready in {cluster.wait_ready():.1f} s", flush=True)
+        run_bench(out, f"warmup-{label}", WARMUP)  # NOTE: first prefills of each shape compile kernels
         for name, args in runs:
             run_bench(out, name, args)
     finally:

@@ -70,6 +70,17 @@ def test_incremental_detokenization_equals_full_decode_and_never_yields_a_broken
     assert deltas.count("") >= 4  # the emoji span several byte-level tokens: the text was held back
 
 
+@pytest.mark.parametrize("size", [2, 3, 7, 1000])
+def test_detokenizing_several_tokens_at_once_gives_the_same_text(tokenizer: RouterTokenizer, size: int) -> None:
+    prompt = tokenizer.encode_chat(CHATS[0])
+    ids = tokenizer.encode(MULTIBYTE_TEXT)
+    detok = tokenizer.detokenizer(prompt)
+    deltas = [detok.extend(ids[i : i + size]) for i in range(0, len(ids), size)]
+    tail = detok.flush()
+    assert "".join(deltas) + tail == MULTIBYTE_TEXT
+    assert not any(REPLACEMENT_CHAR in d for d in [*deltas, tail])
+
+
 def test_flush_drops_a_dangling_partial_character(tokenizer: RouterTokenizer) -> None:
     ids = tokenizer.encode("ok 🎉")
     detok = tokenizer.detokenizer([])
