@@ -11,6 +11,7 @@ NOTE: this module must not import torch: the router imports it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -237,9 +238,13 @@ def decode(frame: bytes) -> Message:
     return _build(cls, fields)  # type: ignore[no-any-return]
 
 
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
 def _build(cls: type, fields: dict[str, Any]) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(fields) - names
+    unknown = fields.keys() - _field_names(cls)
     if unknown:
         raise MessageError(f"{cls.__name__}: unknown fields {sorted(map(str, unknown))}")
     kwargs = {}

@@ -17,6 +17,7 @@ import zmq
 from core import ipc
 from core.engine import Engine
 from core.messages import HeartbeatEvent, Message
+from core.step_timer import StepTimer
 
 log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
@@ -43,6 +44,7 @@ class WorkerBase:
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self.engine: Engine  # set by the subclass
+        self.step_timer = StepTimer()
 
     def handle(self, msg: Message) -> None:
         raise NotImplementedError
@@ -58,7 +60,8 @@ class WorkerBase:
         polls every PENDING_POLL_MS instead of idling for a heartbeat interval."""
         return False
 
-    def step_engine(self) -> None:
+    def step_engine(self) -> bool:
+        """One engine step and its outputs sent on; whether it produced any."""
         raise NotImplementedError
 
     def counters(self) -> dict[str, int]:
@@ -69,6 +72,7 @@ class WorkerBase:
             "cached_prompt_tokens": s.num_cached_prompt_tokens,
             "full_hits": s.num_full_hits,
             "preemptions": s.num_preemptions,
+            **self.step_timer.counters(),
         }
 
     def heartbeat_event(self) -> HeartbeatEvent:
@@ -126,7 +130,8 @@ class WorkerBase:
                 else:
                     self.handle_socket(sock)
             if self.engine.has_unfinished():
-                self.step_engine()
+                produced = self.step_engine()
+                self.step_timer.mark(produced and self.engine.has_unfinished())
             self.after_step()
         self.close()
 

@@ -245,7 +245,7 @@ class DecodeWorker(WorkerBase):
             raise RuntimeError(f"bad handshake reply {type(reply).__name__}")
         return reply
 
-    def step_engine(self) -> None:
+    def step_engine(self) -> bool:
         events = []
         for out in self.engine.step():
             index = out.num_output_tokens - len(out.new_token_ids)
@@ -266,3 +266,4 @@ class DecodeWorker(WorkerBase):
             )
         if events:
             ipc.send(self.to_router, TokenBatchEvent(events))
+        return bool(events)

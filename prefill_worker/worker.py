@@ -132,9 +132,11 @@ class PrefillWorker(WorkerBase):
         sock.send(encode(reply))
 
     # --- engine ---------------------------------------------------------------------------------------
-    def step_engine(self) -> None:
-        for out in self.engine.step():
+    def step_engine(self) -> bool:
+        outputs = self.engine.step()
+        for out in outputs:
             self._first_token(out)
+        return bool(outputs)
 
     def after_step(self) -> None:
         expired = self.leases.expire(time.monotonic())

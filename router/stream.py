@@ -26,6 +26,10 @@ class TokenReorderer:
         """The events (trimmed to their new tokens) that are now in order; [] while a gap remains."""
         if self.finished or event.index + len(event.token_ids) < self.next_index:
             return []
+        if event.index == self.next_index and event.token_ids and not self.pending:  # NOTE: the common case
+            self.next_index += len(event.token_ids)
+            self.finished = event.finish_reason is not None
+            return [event]
         held = self.pending.get(event.index)
         if held is None or len(event.token_ids) > len(held.token_ids):
             self.pending[event.index] = event

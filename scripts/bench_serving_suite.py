@@ -30,6 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.step_timer import quantile_ms  # noqa: E402
 from router.benchmark import cli as bench  # noqa: E402
 
 PORT = 50071
@@ -50,6 +51,7 @@ class Cluster:
     """scripts/supervisor.py in the background, on one GPU."""
 
     def __init__(self, model: Path, run_dir: Path, flags: list[str], log: Path) -> None:
+        self.run_dir = run_dir
         argv = [sys.executable, str(ROOT / "scripts" / "supervisor.py"), "--model", str(model), "--device", DEVICE]
         argv += ["--port", str(PORT), "--run-dir", str(run_dir), *flags]
         self.log = log
@@ -65,6 +67,12 @@ class Cluster:
             time.sleep(0.5)
         raise RuntimeError(f"cluster not ready:\n{self.log.read_text(errors='replace')[-4000:]}")
 
+    def decode_counters(self) -> dict[str, int]:
+        """The decode worker's latest heartbeat counters (its step-interval histogram among them)."""
+        time.sleep(0.6)  # NOTE: two heartbeat intervals, so the snapshot covers the run's last steps
+        stats = json.loads((self.run_dir / "stats" / "decode-0.json").read_text())
+        return stats["counters"]  # type: ignore[no-any-return]
+
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -73,14 +81,20 @@ class Cluster:
             self.proc.kill()
 
 
-def run_bench(out: Path, name: str, args: list[str]) -> dict[str, Any]:
-    """One pdserve-bench-serving run against the cluster on PORT; its JSON report."""
+def run_bench(cluster: Cluster, out: Path, name: str, args: list[str]) -> dict[str, Any]:
+    """One pdserve-bench-serving run against the cluster on PORT; its JSON report, with the decode worker's
+    step intervals during the run added (`worker_step_ms`: the ITL at the engine, bucket upper bounds)."""
     path = out / f"{name}.json"
     argv = ["--address", f"127.0.0.1:{PORT}", "--no-progress", "--save-detailed", "--result-json", str(path), *args]
-    started = time.monotonic()
+    started, before = time.monotonic(), cluster.decode_counters()
     code = bench.main(argv)
-    print(f"== {name}: exit {code}, {time.monotonic() - started:.1f} s", flush=True)
-    return json.loads(path.read_text())  # type: ignore[no-any-return]
+    after = cluster.decode_counters()
+    report = json.loads(path.read_text())
+    steps = {f"p{int(q * 100)}": quantile_ms(before, after, q) for q in (0.5, 0.9, 0.99)}
+    report["worker_step_ms"] = {k: "inf" if v == float("inf") else v for k, v in steps.items()}
+    path.write_text(json.dumps(report, indent=1))
+    print(f"== {name}: exit {code}, {time.monotonic() - started:.1f} s, decode steps {steps}", flush=True)
+    return report  # type: ignore[no-any-return]
 
 
 def with_cluster(model: Path, out: Path, label: str, flags: list[str], runs: list[tuple[str, list[str]]]) -> None:
@@ -90,9 +104,9 @@ def with_cluster(model: Path, out: Path, label: str, flags: list[str], runs: lis
     cluster = Cluster(model, run_dir, flags, out / f"cluster-{label}.log")
     try:
         print(f"== cluster {label} ready in {cluster.wait_ready():.1f} s", flush=True)
-        run_bench(out, f"warmup-{label}", WARMUP)  # NOTE: first prefills of each shape compile kernels
+        run_bench(cluster, out, f"warmup-{label}", WARMUP)  # NOTE: first prefills of each shape compile kernels
         for name, args in runs:
-            run_bench(out, name, args)
+            run_bench(cluster, out, name, args)
     finally:
         cluster.stop()
 
