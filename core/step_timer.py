@@ -11,7 +11,7 @@ import bisect
 import time
 from collections.abc import Mapping
 
-STEP_BUCKETS_MS = (0.5, 1, 1.5, 2, 3, 4, 5, 7.5, 10, 15, 20, 30, 50, 75, 100, 200, 500, 1000)
+STEP_BUCKETS_MS = (0.5, 0.75, 1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7.5, 10, 15, 20, 30, 50, 75, 100, 200, 500)
 """Upper bounds (ms) of the buckets; one more bucket takes everything slower."""
 
 

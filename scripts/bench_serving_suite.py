@@ -39,7 +39,7 @@ WORKER_FLAGS = ["--dtype", "bfloat16", "--load-format", "dummy", "--max-num-seqs
 COLOCATED_FLAGS = ["--colocated", "--max-num-batched-tokens", "2048", "--prefill-chunk-size", "2048"]
 GOODPUT = ["--goodput", "ttft:1000", "tpot:50"]
 INTERFERENCE = ["--dataset", "long-prompt", "--num-short", "64", "--short-output-len", "256"]
-INTERFERENCE += ["--long-input-len", "4000", "--long-output-len", "16"]
+INTERFERENCE += ["--long-input-len", "4000", "--long-output-len", "16", "--client-processes", "4"]
 RANDOM = ["--dataset", "random", "--num-prompts", "100", "--input-len", "512:2048", "--output-len", "128:512"]
 RANDOM += ["--request-rate", "4", *GOODPUT]
 WARMUP = ["--dataset", "random", "--num-prompts", "48", "--input-len", "8:4000", "--output-len", "4:8"]
@@ -134,6 +134,17 @@ def part_disagg(model: Path, out: Path) -> None:
     with_cluster(model, out, "disagg-nocache", [*WORKER_FLAGS, "--no-prefix-caching"], shared_prefix_runs("nocache"))
 
 
+def part_interference(model: Path, out: Path) -> None:
+    """The three interference runs alone (disaggregated, decode-only, colocated)."""
+    runs = [
+        ("interference-disagg", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"]),
+        ("interference-decode-only", [*INTERFERENCE, "--long-rate", "0", "--duration", "10"]),
+    ]
+    with_cluster(model, out, "disagg", WORKER_FLAGS, runs)
+    runs = [("interference-colocated", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"])]
+    with_cluster(model, out, "colocated", [*WORKER_FLAGS, *COLOCATED_FLAGS], runs)
+
+
 def part_colocated(model: Path, out: Path) -> None:
     runs = [
         ("interference-colocated", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"]),
@@ -149,7 +160,7 @@ def part_colocated(model: Path, out: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["disagg", "colocated"], required=True)
+    p.add_argument("--part", choices=["disagg", "colocated", "interference"], required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--model", default=None, help="bench model folder (default: a Llama-1B shape made here)")
     args = p.parse_args()
@@ -161,7 +172,8 @@ def main() -> int:
         from make_bench_model import write_bench_model
 
         write_bench_model("llama-1b", model)
-    {"disagg": part_disagg, "colocated": part_colocated}[args.part](model, out)
+    parts = {"disagg": part_disagg, "colocated": part_colocated, "interference": part_interference}
+    parts[args.part](model, out)
     return 0
 
 

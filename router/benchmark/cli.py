@@ -22,7 +22,7 @@ from typing import Any
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.benchmark import datasets as ds
 from router.benchmark.metrics import build_report, format_table, parse_goodput, parse_percentiles
-from router.benchmark.runner import RunConfig, fetch_model_info, run_workload
+from router.benchmark.runner import RunConfig, fetch_model_info, run_in_processes
 from router.tokenizer import RouterTokenizer
 
 DATASETS = ("random", "shared-prefix", "long-prompt", "duplicate")
@@ -66,6 +66,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s; inf sends all at once")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times; 1 = Poisson")
     p.add_argument("--max-concurrency", type=int, default=None, help="open-loop requests in flight at most")
+    p.add_argument("--client-processes", type=int, default=1, help="split the load over this many client processes")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--percentiles", default="50,90,95,99", help="comma-separated, e.g. 50,90,99.9")
@@ -173,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = RunConfig(
         args.address, args.max_concurrency, args.ignore_eos, args.temperature, args.timeout, not args.no_progress
     )
-    records = asyncio.run(run_workload(workload, config))
+    records = run_in_processes(workload, config, args.client_processes)
     report = build_report(
         run_config_json(args, argv, "pdserve", model_json(info)), records, percentiles, slos, args.save_detailed
     )

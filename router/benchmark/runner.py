@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import multiprocessing
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,10 +57,10 @@ def build_request(spec: RequestSpec, config: RunConfig) -> pb.GenerateRequest:
 
 
 class _Clock:
-    """Seconds since the benchmark started (perf_counter based)."""
+    """Seconds since the benchmark started (perf_counter: CLOCK_MONOTONIC, one clock for every process)."""
 
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
+    def __init__(self, t0: float | None = None) -> None:
+        self.t0 = time.perf_counter() if t0 is None else t0
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -125,8 +127,12 @@ async def _closed_loop_stream(
     return records
 
 
-async def run_workload(workload: Workload, config: RunConfig) -> list[RequestRecord]:
-    """Run every open-loop request at its start time and the closed loop beside them; records by index."""
+async def run_workload(workload: Workload, config: RunConfig, t0: float | None = None) -> list[RequestRecord]:
+    """Run every open-loop request at its start time and the closed loop beside them; records by index.
+
+    t0: the benchmark's start on the perf_counter clock (default: now); a client process of a split
+    workload waits for it, so that every process shares time zero.
+    """
     loop = workload.closed_loop
     total = len(workload.requests) if loop is None else None
     bar = tqdm(total=total, disable=not config.show_progress, unit="req")
@@ -138,7 +144,8 @@ async def run_workload(workload: Workload, config: RunConfig) -> list[RequestRec
     async with grpc.aio.insecure_channel(config.address) as channel:
         await asyncio.wait_for(channel.channel_ready(), config.ready_timeout_s)
         stub = pb_grpc.GenerationStub(channel)
-        clock = _Clock()
+        clock = _Clock(t0)
+        await asyncio.sleep(max(0.0, -clock.now()))
         tasks = []
         for i, spec in enumerate(workload.requests):
             task = asyncio.create_task(_open_loop_one(stub, spec, i, config, clock, semaphore))
@@ -153,3 +160,35 @@ async def run_workload(workload: Workload, config: RunConfig) -> list[RequestRec
         closed = await asyncio.gather(*streams)
     bar.close()
     return sorted([*opened, *(r for stream in closed for r in stream)], key=lambda r: r.index)
+
+
+def shard(workload: Workload, k: int, n: int) -> Workload:
+    """Client process k of n: every n-th open-loop request and its share of the closed-loop streams (with
+    its own prompt seed, so that processes never send the same prompt)."""
+    loop = workload.closed_loop
+    if loop is not None:
+        streams = loop.num_streams // n + (1 if k < loop.num_streams % n else 0)
+        loop = dataclasses.replace(loop, num_streams=streams, seed=loop.seed + 7919 * k) if streams else None
+    return Workload(workload.requests[k::n], loop)
+
+
+def _run_shard(workload: Workload, config: RunConfig, t0: float) -> list[RequestRecord]:
+    return asyncio.run(run_workload(workload, config, t0))
+
+
+def run_in_processes(workload: Workload, config: RunConfig, processes: int) -> list[RequestRecord]:
+    """The workload split over client processes, one event loop each, records merged (indexed by send time).
+
+    NOTE: one Python gRPC client handles a few thousand responses a second; a server streaming more than that
+    would otherwise be measured through a saturated client.
+    """
+    if processes <= 1:
+        return asyncio.run(run_workload(workload, config))
+    t0 = time.perf_counter() + 2.0  # NOTE: time zero, after every process has started and connected
+    limit = config.max_concurrency
+    quiet = dataclasses.replace(config, show_progress=False, max_concurrency=-(-limit // processes) if limit else None)
+    args = [(shard(workload, k, processes), quiet, t0) for k in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        parts = pool.starmap(_run_shard, args)
+    merged = sorted((r for part in parts for r in part), key=lambda r: (r.send_time, r.tag))
+    return [dataclasses.replace(r, index=i) for i, r in enumerate(merged)]

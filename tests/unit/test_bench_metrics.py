@@ -174,3 +174,16 @@ def test_saved_records_round_trip_through_json() -> None:
     rec = RequestRecord(0, "short", 0.5, 1.0, (0.6, 0.8, 1.0), (1, 2, 1), 12, 4, 4, "length", None, {"queue_ms": 1.5})
     again = record_from_json(json.loads(json.dumps(record_json(rec))))
     assert again == rec and again.itls == rec.itls
+
+
+def test_a_workload_splits_over_client_processes_without_loss_or_shared_prompts() -> None:
+    from router.benchmark.runner import shard
+
+    workload = ds.long_prompt_workload(VOCAB, num_short=5, short_io=(8, 16), long_io=(64, 4), long_rate=3.0,
+                                       duration_s=10.0, seed=3)  # fmt: skip
+    parts = [shard(workload, k, 2) for k in range(2)]
+    got = sorted((r for p in parts for r in p.requests), key=lambda r: r.start_time or 0.0)
+    assert len(workload.requests) > 10 and got == sorted(workload.requests, key=lambda r: r.start_time or 0.0)
+    loops = [p.closed_loop for p in parts]
+    assert [lp.num_streams for lp in loops if lp] == [3, 2]
+    assert loops[0] is not None and loops[1] is not None and loops[0].spec(0) != loops[1].spec(0)
