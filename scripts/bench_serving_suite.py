@@ -145,6 +145,14 @@ def part_interference(model: Path, out: Path) -> None:
     with_cluster(model, out, "colocated", [*WORKER_FLAGS, *COLOCATED_FLAGS], runs)
 
 
+def part_throughput(model: Path, out: Path) -> None:
+    """The random load with every request at once (the most each system sustains), disaggregated and colocated."""
+    burst = [*RANDOM[: RANDOM.index("--request-rate")], "--num-prompts", "200", "--request-rate", "inf", *GOODPUT]
+    burst += ["--client-processes", "4"]
+    with_cluster(model, out, "disagg", WORKER_FLAGS, [("burst-disagg", burst)])
+    with_cluster(model, out, "colocated", [*WORKER_FLAGS, *COLOCATED_FLAGS], [("burst-colocated", burst)])
+
+
 def part_colocated(model: Path, out: Path) -> None:
     runs = [
         ("interference-colocated", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"]),
@@ -160,7 +168,7 @@ def part_colocated(model: Path, out: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["disagg", "colocated", "interference"], required=True)
+    p.add_argument("--part", choices=["disagg", "colocated", "interference", "throughput"], required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--model", default=None, help="bench model folder (default: a Llama-1B shape made here)")
     args = p.parse_args()
@@ -172,7 +180,12 @@ def main() -> int:
         from make_bench_model import write_bench_model
 
         write_bench_model("llama-1b", model)
-    parts = {"disagg": part_disagg, "colocated": part_colocated, "interference": part_interference}
+    parts = {
+        "disagg": part_disagg,
+        "colocated": part_colocated,
+        "interference": part_interference,
+        "throughput": part_throughput,
+    }
     parts[args.part](model, out)
     return 0
 
