@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,6 +102,7 @@ def with_cluster(model: Path, out: Path, label: str, flags: list[str], runs: lis
     out.mkdir(parents=True, exist_ok=True)
     # NOTE: the run folder (sockets, logs) lives outside `out`: a device call brings back few files
     run_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-suite-{label}"
+    shutil.rmtree(run_dir, ignore_errors=True)
     cluster = Cluster(model, run_dir, flags, out / f"cluster-{label}.log")
     try:
         print(f"== cluster {label} ready in {cluster.wait_ready():.1f} s", flush=True)

@@ -44,12 +44,21 @@ class Child:
     next_start: float = 0.0
     backoff: float = 0.5
     history: list[float] = field(default_factory=list)
+    log_offset: int = 0
+    """Size of the log when the current process started."""
 
     def start(self, env: dict[str, str]) -> None:
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns the handle
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         self.started_at = time.monotonic()
+
+    def log_text_since_start(self) -> str:
+        """What the current process wrote to its log."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self.log_offset)
+            return f.read().decode(errors="replace")
 
     def status(self) -> dict[str, object]:
         alive = self.proc is not None and self.proc.poll() is None
@@ -162,8 +171,9 @@ class Supervisor:
     def _check_ready(self, address: str) -> None:
         if self.ready:
             return
-        log = self.children[0].log_path
-        if log.exists() and READY_MARK in log.read_text(errors="replace"):
+        router = self.children[0]
+        # NOTE: logs are appended to: only what this run's router wrote counts (a reused run dir holds old lines)
+        if router.log_path.exists() and READY_MARK in router.log_text_since_start():
             self.ready = True
             print(f"pdserve cluster ready on {address} (run dir {self.run_dir})", flush=True)
 
