@@ -14,6 +14,7 @@ def _supervisor():  # type: ignore[no-untyped-def]
     spec = importlib.util.spec_from_file_location("pdserve_supervisor", ROOT / "scripts" / "supervisor.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # NOTE: dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
