@@ -93,6 +93,7 @@ def run_bench(cluster: Cluster, out: Path, name: str, args: list[str]) -> dict[s
     report = json.loads(path.read_text())
     steps = {f"p{int(q * 100)}": quantile_ms(before, after, q) for q in (0.5, 0.9, 0.99)}
     report["worker_step_ms"] = {k: "inf" if v == float("inf") else v for k, v in steps.items()}
+    report["gpu"] = gpu_name()
     path.write_text(json.dumps(report, indent=1))
     print(f"== {name}: exit {code}, {time.monotonic() - started:.1f} s, decode steps {steps}", flush=True)
     return report  # type: ignore[no-any-return]
@@ -168,14 +169,68 @@ def part_colocated(model: Path, out: Path) -> None:
     print(f"== transformers: exit {subprocess.call(argv)}", flush=True)
 
 
+COMMANDS = [
+    f"python scripts/bench_serving_suite.py --part {part} --out RESULTS"
+    for part in ("disagg", "colocated", "interference", "throughput")
+] + ["python scripts/bench_serving_suite.py --part summarize --results RESULTS --out bench/results/serving_h200"]
+HEADLINE = {
+    "interference": ("interference-disagg", "interference-decode-only", "interference-colocated"),
+    "shared_prefix": tuple(f"shared-{c}-rate{r}" for c in ("cache", "nocache") for r in SHARED_RATES),
+    "exact_hit": ("exact-hit",),
+    "throughput": ("random-disagg", "random-colocated", "random-transformers", "burst-disagg", "burst-colocated"),
+}
+KEYS = ("completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms",
+        "output_throughput", "request_goodput")  # fmt: skip
+
+
+def gpu_name() -> str:
+    try:
+        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        out = subprocess.run(query, capture_output=True, text=True)
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+def summarize(results: Path, dest: Path, gpu: str) -> dict[str, Any]:
+    """From the runs' detailed JSONs in `results`: dest/summary.json (headline numbers), each run's report
+    without its per-request records, and PNGs of the interference and burst runs."""
+    from router.benchmark.metrics import record_from_json
+    from router.benchmark.plots import write_plots
+
+    dest.mkdir(parents=True, exist_ok=True)
+    summary: dict[str, Any] = {"gpu": gpu, "commands": COMMANDS, "runs": {}}
+    for group, names in HEADLINE.items():
+        for name in names:
+            path = results / f"{name}.json"
+            if not path.exists():
+                continue
+            report = json.loads(path.read_text())
+            tag = "short" if group == "interference" else None
+            metrics = report["metrics_by_tag"][tag] if tag else report["metrics"]
+            row = {k: metrics.get(k) for k in KEYS} | {"worker_step_ms": report.get("worker_step_ms")}
+            summary["runs"].setdefault(group, {})[name] = row
+            requests = report.pop("requests", [])
+            (dest / path.name).write_text(json.dumps(report, indent=1))
+            if name.startswith(("interference", "burst")) and requests:
+                write_plots([record_from_json(r) for r in requests], dest / f"{name}-plots")
+    (dest / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["disagg", "colocated", "interference", "throughput"], required=True)
+    p.add_argument("--part", choices=["disagg", "colocated", "interference", "throughput", "summarize"], required=True)
+    p.add_argument("--results", default=None, help="summarize: the folder of the runs' JSON files")
+    p.add_argument("--gpu", default=None, help="summarize: the GPU the runs had (default: each report's)")
     p.add_argument("--out", required=True)
     p.add_argument("--model", default=None, help="bench model folder (default: a Llama-1B shape made here)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.part == "summarize":
+        print(json.dumps(summarize(Path(args.results), out, args.gpu or "see each report"), indent=1))
+        return 0
     model = Path(args.model) if args.model else Path(os.environ.get("TMPDIR", "/tmp")) / "pdserve-llama-1b"
     if not args.model:
         sys.path.insert(0, str(ROOT / "scripts"))
