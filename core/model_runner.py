@@ -11,8 +11,14 @@ from core.config import EngineConfig
 from core.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from core.decode_batch import DecodeBatch
 from core.models import load_model
+from core.request import Request
+from core.sampler import SamplingState
+from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledChunk, StepPlan
 from kernels.attention import AttentionBackend, AttentionMetadata, TorchAttention
+
+WARMUP_LENGTHS = (1, 7, 16, 31, 64, 200)
+"""Prompt lengths of the warm-up passes: each prefill-attention tile height, divisible by 16 and not."""
 
 
 def kv_bytes_per_block(cfg: EngineConfig) -> int:
@@ -103,6 +109,21 @@ class ModelRunner:
         assert isinstance(meta, AttentionMetadata)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [batch, hidden]
         return self.model.compute_logits(hidden)  # type: ignore[operator]
+
+    @torch.inference_mode()
+    def warmup(self, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> None:
+        """Compile the Triton kernels of prefill passes before serving: one pass per prompt length on the null
+        block 0 (whose contents nothing reads). Without it the first requests pay the JIT, seconds during
+        which a worker's heartbeat thread can be starved (the compiler holds the GIL).
+        """
+        bs, max_len = self.cfg.cache.block_size, self.cfg.model.max_model_len - 1
+        for n in sorted({min(n, max_len) for n in lengths}):
+            req = Request("warmup", [0] * n, n, SamplingState(SamplingParams(), ()))
+            req.block_ids.extend([0] * -(-n // bs))
+            self.execute(StepPlan(chunks=[ScheduledChunk(req, n)]))
+        self.num_forward_calls = self.num_forward_tokens = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

@@ -84,6 +84,8 @@ class DecodeWorker(WorkerBase):
         self.cfg = cfg
         self.kv_pool: KVPool | None = None
         self.engine = Engine(cfg, kv_allocator=self._allocate_pool)
+        if self.engine.runner.device.type == "cuda":
+            self.engine.runner.warmup()  # NOTE: before the first heartbeat: the cluster is ready once compiled
         self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
         assert self.kv_pool is not None
         self.sink: KVTransferSink = make_sink(transport, self.kv_pool, self.layout)

@@ -73,6 +73,8 @@ class PrefillWorker(WorkerBase):
         self.kv_pool: KVPool | None = None
         # NOTE: a prefill worker hands requests off after their first token, so it captures no decode graphs.
         self.engine = Engine(dataclasses.replace(cfg, enforce_eager=True), kv_allocator=self._allocate_pool)
+        if self.engine.runner.device.type == "cuda":
+            self.engine.runner.warmup()  # NOTE: before the first heartbeat: the cluster is ready once compiled
         self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
         assert self.kv_pool is not None
         self.source: KVTransferSource = make_source(transport, self.kv_pool)

@@ -98,3 +98,10 @@ def test_seeded_sampling_runs_in_order_so_its_state_counts_every_token(engine: E
     engine.step()
     assert engine._in_flight is None  # not overlapped: the seed of a step depends on the tokens read so far
     drain(engine)
+
+
+def test_warmup_passes_touch_only_the_null_block_and_leave_no_trace(engine: Engine) -> None:
+    free, cached = engine.pool.num_free_blocks, dict(engine.requests)
+    engine.runner.warmup(lengths=(1, 7, 40))
+    assert engine.num_forward_calls == 0 and engine.pool.num_free_blocks == free and engine.requests == cached
+    test_decode_steps_overlap_and_outputs_arrive_one_step_later(engine)  # serving afterwards is unchanged
