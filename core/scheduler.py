@@ -51,6 +51,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._prefilling: dict[tuple[int, ...], Request] = {}  # prompt token ids -> the request computing them
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -59,6 +60,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
+        self._prefilling = {k: r for k, r in self._prefilling.items() if self._still_prefilling(r)}
         plan = StepPlan()
         budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
         if not plan.preempted:
@@ -85,10 +87,14 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+        held: list[Request] = []  # NOTE: copies of a prompt still being prefilled; they keep their queue places
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if budget <= 0:
                 break
+            if self._being_prefilled(req):
+                held.append(self.waiting.popleft())
+                continue
             hit = self.kv.admit(req)
             if hit is False:
                 break
@@ -98,9 +104,26 @@ class Scheduler:
             if isinstance(hit, torch.Tensor):
                 plan.cached_hits.append((req, hit))
                 continue
+            if self.kv.enable_caching:
+                self._prefilling[tuple(req.token_ids)] = req
             n = self._chunk_len(req, budget)
             plan.chunks.append(ScheduledChunk(req, n))
             budget -= n
+        self.waiting.extendleft(reversed(held))
+
+    def _being_prefilled(self, req: Request) -> bool:
+        """In-flight dedup: another request with these very token ids is computing its prompt now. This one
+        waits and then takes the whole-prompt hit that request leaves in the prefix cache (one prefill, not
+        several). Only with prefix caching; schedule() drops entries whose prompt is done, finished or preempted."""
+        if not self.kv.enable_caching or not self._prefilling:
+            return False
+        key = tuple(req.token_ids)
+        leader = self._prefilling.get(key)
+        return leader is not None and self._still_prefilling(leader)
+
+    @staticmethod
+    def _still_prefilling(req: Request) -> bool:
+        return req.status is RequestStatus.RUNNING and req.num_computed_tokens < req.num_prompt_tokens
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.kv.free(req)

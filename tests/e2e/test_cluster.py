@@ -103,6 +103,36 @@ def test_repeated_prompt_reports_cached_tokens(cluster: Cluster) -> None:
     assert second[-1].usage.cached_prompt_tokens == len(prompt)
 
 
+def test_same_token_ids_in_flight_are_prefilled_once(cluster: Cluster, tiny_llama_dir: Path) -> None:
+    from router.tokenizer import RouterTokenizer
+
+    text = "pdserve dedups prompts in flight: these words are prefilled exactly once, whatever the input form"
+    ids = RouterTokenizer.from_dir(tiny_llama_dir).encode(text)
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    requests = [
+        pb.GenerateRequest(text=text, sampling=sampling),
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=sampling),
+        pb.GenerateRequest(text=text, sampling=sampling),
+    ]
+    time.sleep(0.6)  # NOTE: two heartbeats, so the stats file holds every earlier request's counts
+    before = cluster.stats("prefill", 0)["counters"]
+
+    async def all_three() -> list[list[pb.GenerateResponse]]:
+        return await asyncio.gather(*(stream(cluster.address, r) for r in requests))
+
+    results = asyncio.run(all_three())
+    assert len({tuple(tokens_of(r)) for r in results}) == 1 and len(tokens_of(results[0])) == 6
+
+    def counted() -> bool:
+        after = cluster.stats("prefill", 0)["counters"]
+        return after["full_hits"] - before["full_hits"] == 2
+
+    cluster.wait_for(counted, 5.0, "two whole-prompt hits")
+    after = cluster.stats("prefill", 0)["counters"]
+    assert after["prefill_tokens_computed"] - before["prefill_tokens_computed"] == len(ids)
+    wait_blocks_returned(cluster)
+
+
 def test_cancel_mid_stream_returns_every_block(cluster: Cluster) -> None:
     (prompt,) = random_prompts(1024, (40,), seed=33)
 
