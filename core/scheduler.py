@@ -60,7 +60,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
-        self._prefilling = {k: r for k, r in self._prefilling.items() if self._still_prefilling(r)}
+        if self._prefilling:
+            self._prefilling = {k: r for k, r in self._prefilling.items() if self._still_prefilling(r)}
         plan = StepPlan()
         budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
         if not plan.preempted:

@@ -16,7 +16,8 @@ import zmq
 
 from core import ipc
 from core.engine import Engine
-from core.messages import HeartbeatEvent, Message
+from core.errors import InvalidRequestError
+from core.messages import GenerateCmd, HeartbeatEvent, Message, RequestErrorEvent, sampling_to_params
 from core.step_timer import StepTimer
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,21 @@ class WorkerBase:
         """Whether after_step has something to finish soon (e.g. releases of copies in flight): the loop then
         polls every PENDING_POLL_MS instead of idling for a heartbeat interval."""
         return False
+
+    def warm_up(self) -> None:
+        """Compile the prefill kernels on CUDA (see ModelRunner.warmup). Subclasses call it once the engine
+        exists, before run() starts the heartbeat: the cluster is ready once compiled."""
+        if self.engine.runner.device.type == "cuda":
+            self.engine.runner.warmup()
+
+    def add_request(self, cmd: GenerateCmd) -> bool:
+        """Queue cmd's prompt in the engine; a request it refuses gets INVALID_ARGUMENT at the router."""
+        try:
+            self.engine.add_request(cmd.request_id, cmd.token_ids, sampling_to_params(cmd.sampling))
+        except InvalidRequestError as exc:
+            ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "INVALID_ARGUMENT", str(exc)))
+            return False
+        return True
 
     def step_engine(self) -> bool:
         """One engine step and its outputs sent on; whether it produced any."""

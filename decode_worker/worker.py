@@ -84,8 +84,7 @@ class DecodeWorker(WorkerBase):
         self.cfg = cfg
         self.kv_pool: KVPool | None = None
         self.engine = Engine(cfg, kv_allocator=self._allocate_pool)
-        if self.engine.runner.device.type == "cuda":
-            self.engine.runner.warmup()  # NOTE: before the first heartbeat: the cluster is ready once compiled
+        self.warm_up()
         self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
         assert self.kv_pool is not None
         self.sink: KVTransferSink = make_sink(transport, self.kv_pool, self.layout)
@@ -126,12 +125,8 @@ class DecodeWorker(WorkerBase):
 
     def _generate(self, cmd: GenerateCmd) -> None:
         """Colocated mode: prefill and decode the request here."""
-        try:
-            self.engine.add_request(cmd.request_id, cmd.token_ids, sampling_to_params(cmd.sampling))
-        except InvalidRequestError as exc:
-            ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "INVALID_ARGUMENT", str(exc)))
-            return
-        self.timings[cmd.request_id] = Timings(arrival=cmd.timings.arrival, prefill_start=time.time())
+        if self.add_request(cmd):
+            self.timings[cmd.request_id] = Timings(arrival=cmd.timings.arrival, prefill_start=time.time())
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -13,7 +13,6 @@ import zmq
 from core import ipc
 from core.config import EngineConfig
 from core.engine import Engine, RequestOutput
-from core.errors import InvalidRequestError
 from core.messages import (
     AbortCmd,
     DecodeWorkerLostCmd,
@@ -30,7 +29,6 @@ from core.messages import (
     decode,
     encode,
     params_to_sampling,
-    sampling_to_params,
 )
 from core.worker_base import WorkerBase
 from kvtransfer.base import KVTransferSource, make_source
@@ -73,8 +71,7 @@ class PrefillWorker(WorkerBase):
         self.kv_pool: KVPool | None = None
         # NOTE: a prefill worker hands requests off after their first token, so it captures no decode graphs.
         self.engine = Engine(dataclasses.replace(cfg, enforce_eager=True), kv_allocator=self._allocate_pool)
-        if self.engine.runner.device.type == "cuda":
-            self.engine.runner.warmup()  # NOTE: before the first heartbeat: the cluster is ready once compiled
+        self.warm_up()
         self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
         assert self.kv_pool is not None
         self.source: KVTransferSource = make_source(transport, self.kv_pool)
@@ -113,12 +110,8 @@ class PrefillWorker(WorkerBase):
             log.warning("prefill worker ignores %s", type(msg).__name__)
 
     def _generate(self, cmd: GenerateCmd) -> None:
-        try:
-            self.engine.add_request(cmd.request_id, cmd.token_ids, sampling_to_params(cmd.sampling))
-        except InvalidRequestError as exc:
-            ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "INVALID_ARGUMENT", str(exc)))
-            return
-        self.pending[cmd.request_id] = _Pending(cmd.decode_worker, cmd.timings.arrival, time.time())
+        if self.add_request(cmd):
+            self.pending[cmd.request_id] = _Pending(cmd.decode_worker, cmd.timings.arrival, time.time())
 
     def handle_socket(self, sock: zmq.Socket) -> None:
         frame = sock.recv()

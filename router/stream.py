@@ -26,14 +26,13 @@ class TokenReorderer:
         """The events (trimmed to their new tokens) that are now in order; [] while a gap remains."""
         if self.finished or event.index + len(event.token_ids) < self.next_index:
             return []
-        if event.index == self.next_index and event.token_ids and not self.pending:  # NOTE: the common case
-            self.next_index += len(event.token_ids)
-            self.finished = event.finish_reason is not None
-            return [event]
+        out: list[TokenEvent] = []
+        if event.index == self.next_index and not self.pending:  # NOTE: the common case: nothing to reorder
+            self._release(event, out)
+            return out
         held = self.pending.get(event.index)
         if held is None or len(event.token_ids) > len(held.token_ids):
             self.pending[event.index] = event
-        out: list[TokenEvent] = []
         while not self.finished:
             ready = sorted(i for i in self.pending if i <= self.next_index)
             if not ready:
@@ -49,7 +48,7 @@ class TokenReorderer:
         new = event.token_ids[skip:]
         # NOTE: an event with no tokens is only meaningful as a finish marker at the current index.
         if new or (skip == 0 and event.finish_reason is not None):
-            out.append(dataclasses.replace(event, index=self.next_index, token_ids=list(new)))
+            out.append(event if skip == 0 else dataclasses.replace(event, index=self.next_index, token_ids=list(new)))
             self.next_index += len(new)
             self.finished = event.finish_reason is not None
 

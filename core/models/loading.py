@@ -30,20 +30,17 @@ def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def _target(
-    name: str, params: dict[str, nn.Parameter], merged: dict[str, MergedLinear], vocabs: dict[str, VocabEmbedding]
-) -> tuple[str, slice | None]:
-    """The parameter a checkpoint name fills and the rows it fills (None: the whole parameter)."""
-    if name in params:
-        vocab = vocabs.get(name.rpartition(".")[0])
-        return name, None if vocab is None else slice(0, vocab.vocab_size)
-    module, _, leaf = name.rpartition(".")  # e.g. model.layers.0.self_attn.q_proj / weight
-    parent, _, part = module.rpartition(".")
-    for fused_name, fused in merged.items():
-        if fused_name.rpartition(".")[0] == parent and part in fused.shards:
-            start, rows = fused.shard_rows(part)
-            return f"{fused_name}.{leaf}", slice(start, start + rows)
-    raise KeyError(f"checkpoint tensor {name!r} has no parameter")
+def _part_rows(model: nn.Module) -> dict[str, tuple[str, MergedLinear, slice]]:
+    """Checkpoint module name of each MergedLinear part (e.g. model.layers.0.self_attn.q_proj) -> (the merged
+    module's name, the module, the part's rows)."""
+    out = {}
+    for fused_name, fused in model.named_modules():
+        if isinstance(fused, MergedLinear):
+            parent = fused_name.rpartition(".")[0]
+            for part in fused.shards:
+                start, rows = fused.shard_rows(part)
+                out[f"{parent}.{part}" if parent else part] = (fused_name, fused, slice(start, start + rows))
+    return out
 
 
 def copy_weights(model: nn.Module, weights: Iterable[tuple[str | None, torch.Tensor]]) -> set[str]:
@@ -53,22 +50,29 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str | None, torch.Ten
     Unknown names and shape mismatches raise: a checkpoint that does not fit is an error, not a warning.
     """
     params = dict(model.named_parameters())
-    merged = {n: m for n, m in model.named_modules() if isinstance(m, MergedLinear)}
+    parts = _part_rows(model)
     vocabs = {n: m for n, m in model.named_modules() if isinstance(m, VocabEmbedding)}
-    parts: dict[str, int] = {}
+    filled: dict[str, int] = {}
     loaded: set[str] = set()
     for name, tensor in weights:
         if name is None:
             continue
-        target, rows = _target(name, params, merged, vocabs)
+        module, _, leaf = name.rpartition(".")  # e.g. model.layers.0.self_attn.q_proj / weight
+        if name in params:
+            target, fused, vocab = name, None, vocabs.get(module)
+            rows = None if vocab is None else slice(0, vocab.vocab_size)
+        elif module in parts:
+            fused_name, fused, rows = parts[module]
+            target = f"{fused_name}.{leaf}"
+        else:
+            raise KeyError(f"checkpoint tensor {name!r} has no parameter")
         param = params[target] if rows is None else params[target][rows]
         if param.shape != tensor.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
         with torch.no_grad():
             param.copy_(tensor)
-        parts[target] = parts.get(target, 0) + 1
-        fused = merged.get(target.rpartition(".")[0])
-        if fused is None or parts[target] == len(fused.shards):
+        filled[target] = filled.get(target, 0) + 1
+        if fused is None or filled[target] == len(fused.shards):
             loaded.add(target)
     return loaded
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -38,12 +39,7 @@ def plot_cdf(series: dict[str, list[float]], xlabel: str, path: Path) -> None:
             xs, ys = _cdf(values)
             ax.step(xs, ys, where="post", label=f"{tag} (n={len(values)})")
     ax.set(xlabel=xlabel, ylabel="fraction of samples", ylim=(0, 1.02))
-    ax.grid(alpha=0.3)
-    if series:
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, [ax], ax if series else None, path)
 
 
 def plot_latency_over_time(groups: dict[str, list[RequestRecord]], path: Path) -> None:
@@ -56,10 +52,15 @@ def plot_latency_over_time(groups: dict[str, list[RequestRecord]], path: Path) -
         bottom.scatter(starts, [r.e2el * 1e3 for r in recs], s=8, color=colour, label=tag)
     top.set(ylabel="TTFT (ms)")
     bottom.set(ylabel="E2EL (ms)", xlabel="send time (s since start)")
-    for ax in (top, bottom):
+    _save(fig, [top, bottom], top if groups else None, path)
+
+
+def _save(fig: Any, axes: Sequence[Any], legend_on: Any, path: Path) -> None:
+    """Grid on every axis, a legend on legend_on (None: no legend), then write and close the figure."""
+    for ax in axes:
         ax.grid(alpha=0.3)
-    if groups:
-        top.legend(fontsize="small")
+    if legend_on is not None:
+        legend_on.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

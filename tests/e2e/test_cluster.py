@@ -133,21 +133,22 @@ def test_same_token_ids_in_flight_are_prefilled_once(cluster: Cluster, tiny_llam
     wait_blocks_returned(cluster)
 
 
+async def cancel_after(address: str, prompt: list[int], n: int) -> int:
+    """Stream a long generation and cancel it after n responses; the responses seen."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.GenerationStub(channel).Generate(greedy_request(prompt, max_tokens=400))
+        seen = 0
+        async for _ in call:
+            seen += 1
+            if seen == n:
+                call.cancel()
+                break
+        return seen
+
+
 def test_cancel_mid_stream_returns_every_block(cluster: Cluster) -> None:
     (prompt,) = random_prompts(1024, (40,), seed=33)
-
-    async def cancel_after(n: int) -> int:
-        async with grpc.aio.insecure_channel(cluster.address) as channel:
-            call = pb_grpc.GenerationStub(channel).Generate(greedy_request(prompt, max_tokens=400))
-            seen = 0
-            async for _ in call:
-                seen += 1
-                if seen == n:
-                    call.cancel()
-                    break
-            return seen
-
-    assert asyncio.run(cancel_after(3)) == 3
+    assert asyncio.run(cancel_after(cluster.address, prompt, 3)) == 3
     assert wait_blocks_returned(cluster, timeout=1.0) <= 1.0
 
 

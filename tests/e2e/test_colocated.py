@@ -10,9 +10,8 @@ import grpc
 import pytest
 
 from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.e2e.cluster import Cluster
-from tests.e2e.test_cluster import generate_all, greedy_request, stream, tokens_of
+from tests.e2e.test_cluster import cancel_after, generate_all, stream, tokens_of
 from tests.hf_reference import hf_greedy, random_prompts
 
 NEW_TOKENS = 16
@@ -51,19 +50,7 @@ def test_colocated_streams_match_hf_with_chunked_prefill(colocated: Cluster, tin
 
 def test_colocated_cancel_and_bad_input(colocated: Cluster) -> None:
     (prompt,) = random_prompts(1024, (40,), seed=42)
-
-    async def cancel_after(n: int) -> int:
-        async with grpc.aio.insecure_channel(colocated.address) as channel:
-            call = pb_grpc.GenerationStub(channel).Generate(greedy_request(prompt, max_tokens=400))
-            seen = 0
-            async for _ in call:
-                seen += 1
-                if seen == n:
-                    call.cancel()
-                    break
-            return seen
-
-    assert asyncio.run(cancel_after(3)) == 3
+    assert asyncio.run(cancel_after(colocated.address, prompt, 3)) == 3
     colocated.wait_for(lambda: blocks_back(colocated), 1.0, "the cancelled request's blocks back")
     bad = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 5000]), sampling=pb.SamplingParams(max_tokens=2))
     with pytest.raises(grpc.aio.AioRpcError) as err:
