@@ -100,6 +100,53 @@ def choose_decode_config(head_dim: int, group: int) -> DecodeTileConfig:
 
 
 @triton.jit
+def _attend_tiles(
+    acc,  # [GROUP_PAD, HEAD_DIM] fp32, unnormalised output
+    l_i,  # [GROUP_PAD] fp32 running sum of exp2
+    m_i,  # [GROUP_PAD] fp32 running max, log2 domain
+    q,  # [GROUP_PAD, HEAD_DIM]
+    k_base,  # k_ptr at this KV head
+    v_base,
+    bt_row,  # block table row of this sequence
+    seq_len,
+    tile_start,
+    tile_end,
+    qk_scale,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over key tiles [tile_start, tile_end), each token's block looked up in the table."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, TILE_N)
+    for tile in range(tile_start, tile_end):
+        pos = tile * TILE_N + offs_n  # [TILE_N] token positions
+        valid = pos < seq_len
+        block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+        k_off = block * stride_kb + slot * stride_kt  # [TILE_N]
+        v_off = block * stride_vb + slot * stride_vt
+        k = tl.load(k_base + k_off[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)  # [HEAD_DIM, TILE_N]
+        v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)  # [TILE_N, HEAD_DIM]
+
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, TILE_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        # every tile holds at least one valid token, so m_new is finite
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _decode_stage1(
     q_ptr,  # [batch, num_heads, head_dim]
     k_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -149,7 +196,6 @@ def _decode_stage1(
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, TILE_N)
     heads = kv_head * GROUP + offs_g  # [GROUP_PAD] query heads of this kv head
     g_mask = offs_g < GROUP
     q = tl.load(
@@ -160,26 +206,42 @@ def _decode_stage1(
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for tile in range(tile_start, tile_end):
-        pos = tile * TILE_N + offs_n  # [TILE_N] token positions
-        valid = pos < seq_len
-        block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k_off = block * stride_kb + slot * stride_kt + kv_head * stride_kh  # [TILE_N]
-        v_off = block * stride_vb + slot * stride_vt + kv_head * stride_vh
-        k = tl.load(k_ptr + k_off[None, :] + offs_d[:, None], mask=valid[None, :], other=0.0)  # [HEAD_DIM, TILE_N]
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)  # [TILE_N, HEAD_DIM]
+    acc, l_i, m_i = _attend_tiles(
+        acc, l_i, m_i, q, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, bt_row, seq_len,
+        tile_start, tile_end, qk_scale, stride_kb, stride_kt, stride_vb, stride_vt,
+        HEAD_DIM, BLOCK_SIZE, TILE_N, DOT_PRECISION,
+    )  # fmt: skip
 
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [GROUP_PAD, TILE_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        # every tile holds at least one valid token, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    _store_output(
+        acc, l_i, m_i, heads, g_mask, seq, split, out_ptr, part_out_ptr, part_lse_ptr,
+        stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM, SPLIT,
+    )  # fmt: skip
 
+
+@triton.jit
+def _store_output(
+    acc,  # [GROUP_PAD, HEAD_DIM] fp32
+    l_i,  # [GROUP_PAD] fp32
+    m_i,  # [GROUP_PAD] fp32, log2 domain
+    heads,  # [GROUP_PAD] query heads
+    g_mask,  # [GROUP_PAD] real heads (not padding)
+    seq,
+    split,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """The normalised output, or with SPLIT this split's partial output and its log2-sum-exp."""
+    offs_d = tl.arange(0, HEAD_DIM)
     # an empty range (seq_len 0, or a split past the end) leaves l_i = 0: write zeros, never NaN
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
@@ -275,17 +337,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
     split = num_splits > 1
-    if split and workspace is None:
-        workspace = DecodeWorkspace.allocate(batch, num_heads, head_dim, num_splits, q.device)
-    if split:
-        assert workspace is not None
-        part_out, part_lse = workspace
-        assert part_out.shape[0] >= batch and part_out.shape[1:] == (num_heads, workspace.max_splits, head_dim)
-        assert part_lse.shape[0] >= batch and part_lse.shape[1:] == (num_heads, workspace.max_splits)
-        assert num_splits <= workspace.max_splits, f"num_splits {num_splits} > workspace {workspace.max_splits}"
-        assert part_out.stride(3) == 1 and part_lse.stride(2) == 1
-    else:
-        part_out, part_lse = out, out  # unused by the kernel when SPLIT is False
+    part_out, part_lse = _split_buffers(q, out, num_splits, workspace) if split else (out, out)  # unused unsplit
     group = num_heads // num_kv_heads
     cfg = cfg or choose_decode_config(head_dim, group)
     assert cfg.tile_n >= 16 and cfg.tile_n & (cfg.tile_n - 1) == 0, f"tile_n must be a power of two >= 16: {cfg}"
@@ -310,16 +362,37 @@ def paged_decode_attention(
         num_warps=cfg.num_warps,
     )  # fmt: skip
     if split:
-        _decode_stage2[(batch, num_heads)](
-            part_out, part_lse, out, num_splits,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-            num_warps=4,
-        )  # fmt: skip
+        _merge_splits(part_out, part_lse, out, num_splits)
     return out
+
+
+def _split_buffers(
+    q: torch.Tensor, out: torch.Tensor, num_splits: int, workspace: DecodeWorkspace | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The workspace's (partial_out, partial_lse), checked against the batch; allocated when None."""
+    batch, num_heads, head_dim = q.shape
+    if workspace is None:
+        workspace = DecodeWorkspace.allocate(batch, num_heads, head_dim, num_splits, q.device)
+    part_out, part_lse = workspace
+    assert part_out.shape[0] >= batch and part_out.shape[1:] == (num_heads, workspace.max_splits, head_dim)
+    assert part_lse.shape[0] >= batch and part_lse.shape[1:] == (num_heads, workspace.max_splits)
+    assert num_splits <= workspace.max_splits, f"num_splits {num_splits} > workspace {workspace.max_splits}"
+    assert part_out.stride(3) == 1 and part_lse.stride(2) == 1
+    return part_out, part_lse
+
+
+def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    """Stage 2: each (sequence, head) output from its splits' partial results."""
+    batch, num_heads, head_dim = out.shape
+    _decode_stage2[(batch, num_heads)](
+        part_out, part_lse, out, num_splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        num_warps=4,
+    )  # fmt: skip
 
 
 def paged_decode_attention_ref(
