@@ -69,19 +69,34 @@ def bench_engine(folder: Path, tokens: int, repeats: int, backend: str) -> list[
     engine = Engine(cfg)
     gen = torch.Generator().manual_seed(0)
     one = SamplingParams(temperature=0.0, max_tokens=1)
+    # NOTE: prompts are made before the clock starts (transformers' baseline also gets its ids ready-made)
+    vocab = SHAPE["vocab_size"]
+    prompts = iter([torch.randint(0, vocab, (tokens,), generator=gen).tolist() for _ in range(repeats + 8)])
 
     def run() -> None:
-        prompt = torch.randint(0, SHAPE["vocab_size"], (tokens,), generator=gen).tolist()
-        engine.generate([prompt], one)
+        engine.generate([next(prompts)], one)
 
     time_cuda(run, 3)
     times = time_cuda(run, repeats)
     if PROFILE:
         print_profile(f"pdserve-{backend}", run)
+    if TRACE and backend == "triton":
+        export_trace(Path(TRACE), run)
     return times
 
 
 PROFILE = False
+TRACE = ""
+
+
+def export_trace(path: Path, fn) -> None:  # type: ignore[no-untyped-def]
+    """A Chrome trace (host ops and GPU kernels on one timeline) of one call, for chrome://tracing or Perfetto."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
 
 
 def print_profile(name: str, fn) -> None:  # type: ignore[no-untyped-def]
@@ -141,9 +156,10 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", default=None)
     p.add_argument("--profile", action="store_true", help="print each engine run's top GPU kernels")
+    p.add_argument("--trace", default="", help="write a Chrome trace of one Triton-backend run here")
     args = p.parse_args()
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, TRACE
+    PROFILE, TRACE = args.profile, args.trace
     folder = write_config(Path(tempfile.mkdtemp()))
     hf = bench_transformers(folder, args.tokens, args.repeats)
     rows = {"transformers": hf}

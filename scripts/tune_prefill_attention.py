@@ -12,6 +12,7 @@ import argparse
 import itertools
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -61,11 +62,57 @@ def time_config(args: tuple[torch.Tensor, ...], cfg: PrefillTileConfig, repeats:
     return sorted(times)[len(times) // 2]
 
 
+def sdpa_first_calls(lengths: list[int], repeats: int) -> list[dict[str, float]]:
+    """torch SDPA on cuDNN, dense causal GQA (Llama-1B heads), per prompt length: the first call's time (a new
+    length builds a new cuDNN graph) and the steady median, beside the Triton paged kernel at that length."""
+    return [_sdpa_row(n, repeats) for n in lengths]
+
+
+def _sdpa_row(n: int, repeats: int) -> dict[str, float]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, kv_heads, head_dim = SHAPES["llama-1b"]
+    q, kv, bt, qsl, sl = inputs(n, heads, kv_heads, head_dim)
+    qd = q.transpose(0, 1)[None]  # [1, heads, n, d] view of [n, heads, d]
+    kd = torch.randn((1, kv_heads, n, head_dim), device="cuda", dtype=q.dtype)
+    vd = torch.randn_like(kd)
+
+    def sdpa() -> None:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True)
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    sdpa()
+    torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - start) * 1e3
+    steady = median_ms(sdpa, repeats)
+    cfg = choose_tile_config(head_dim, q.dtype, n)
+    out = torch.empty_like(q)
+    triton_ms = median_ms(lambda: launch_prefill_kernel(q, kv, bt, qsl, sl, n, head_dim**-0.5, out, cfg), repeats)
+    print(f"sdpa cudnn {n:6d} tokens: first {first_ms:7.2f} ms, steady {steady:.3f} ms, triton {triton_ms:.3f} ms")
+    return {"tokens": n, "cudnn_first_ms": first_ms, "cudnn_ms": steady, "triton_ms": triton_ms}
+
+
+def median_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4000)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", default=None)
+    p.add_argument("--sdpa", default="", help="comma-separated prompt lengths: also time cuDNN SDPA at each")
     args = p.parse_args()
     result: dict = {"gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "shapes": {}}
     for name, (heads, kv_heads, head_dim) in SHAPES.items():
@@ -87,6 +134,8 @@ def main() -> None:
         for r in rows[:6] + [r for r in rows if r["default"]]:
             mark = "  (default)" if r["default"] else ""
             print(f"  {r['config']}  {r['ms']:.3f} ms  {r['tflops']:.0f} TFLOP/s{mark}")
+    if args.sdpa:
+        result["sdpa_cudnn"] = sdpa_first_calls([int(n) for n in args.sdpa.split(",")], args.repeats)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
