@@ -100,6 +100,8 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.num_evictions = 0
+        self.num_dropped_events = 0
+        """Events lost to the bounded queue since the pool was made (a reader that saw it grow missed some)."""
         self._ref_cnts = [0] * num_blocks
         self._block_of_hash: dict[int, int] = {}
         self._hash_of_block: dict[int, int] = {}
@@ -187,7 +189,7 @@ class BlockPool:
             return False
         self._block_of_hash[block_hash] = block_id
         self._hash_of_block[block_id] = block_hash
-        self._events.append(BlockStored(block_hash))
+        self._record(BlockStored(block_hash))
         return True
 
     def lookup(self, block_hash: int) -> int | None:
@@ -220,6 +222,10 @@ class BlockPool:
         self._events.clear()
         return events
 
+    def cached_hashes(self) -> list[int]:
+        """Every hash in the prefix cache (held or free blocks), in no particular order."""
+        return list(self._block_of_hash)
+
     def reset_prefix_cache(self) -> int:
         """Drop the hashes of all free cached blocks (held ones keep theirs); returns how many."""
         free_cached = [b for b in self._hash_of_block if self._ref_cnts[b] == 0]
@@ -244,7 +250,12 @@ class BlockPool:
     def _drop_hash(self, block_id: int) -> None:
         block_hash = self._hash_of_block.pop(block_id)
         del self._block_of_hash[block_hash]
-        self._events.append(BlockRemoved(block_hash))
+        self._record(BlockRemoved(block_hash))
+
+    def _record(self, event: BlockEvent) -> None:
+        if len(self._events) == self._events.maxlen:
+            self.num_dropped_events += 1  # NOTE: the deque drops its oldest event on this append
+        self._events.append(event)
 
     def _pop_head(self) -> int:
         block_id = self._next[self._sentinel]

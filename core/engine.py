@@ -46,6 +46,19 @@ class EngineStats:
     """Requests sent back to waiting for lack of KV blocks."""
 
 
+class Adoption(NamedTuple):
+    """Where an adopted request's KV goes: its first num_shared blocks were found in the local prefix cache
+    and are shared, not copied; dst are fresh blocks for the KV of its computed blocks num_shared,
+    num_shared + 1, ... in order."""
+
+    dst: list[int]
+    num_shared: int
+
+    def sources(self, src_block_ids: Sequence[int]) -> list[int]:
+        """The blocks to copy from, given the source's blocks of all the computed tokens (in order)."""
+        return list(src_block_ids[self.num_shared : self.num_shared + len(self.dst)])
+
+
 PLACEHOLDER = -1
 """Stands in token_ids for a token sampled by the in-flight step until the host reads it."""
 
@@ -141,24 +154,32 @@ class Engine:
 
     def adopt(
         self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, sampling: SamplingState
-    ) -> list[int] | None:
+    ) -> Adoption | None:
         """Add a request whose KV for all but the last token was computed elsewhere (a handoff).
 
-        Allocates blocks for that KV and returns their ids; the caller must fill them before the next step.
-        None when there is no room (nothing changed). The request then decodes like any other.
+        Full blocks of that KV already in the local prefix cache are shared; blocks are allocated for the
+        rest and returned (see Adoption): the caller must fill them before the next step, then call
+        cache_adopted. None when there is no room (nothing changed). The request then decodes like any other.
         """
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        num_computed = len(token_ids) - 1
-        num_blocks = self.kv.blocks_needed(num_computed)
-        if num_blocks > self.pool.num_free_blocks or len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
+        if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
             return None
         req = Request(request_id, list(token_ids), num_prompt_tokens, sampling, status=RequestStatus.RUNNING)
-        req.block_ids.extend(self.pool.allocate(num_blocks))
-        req.num_computed_tokens = num_computed
+        num_shared = self.kv.adopt(req, len(token_ids) - 1)
+        if num_shared is None:
+            return None
         self.requests[request_id] = req
         self.scheduler.running.append(req)
-        return req.block_ids
+        return Adoption(req.block_ids[num_shared:], num_shared)
+
+    def cache_adopted(self, request_id: str) -> None:
+        """Offer an adopted request's copied full blocks to the prefix cache, so later handoffs and prompts
+        share them. Call once the copy into them is ordered before later forward passes (a pull that
+        returned); never after a failed copy (abort the request instead). No-op for an unknown request."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.kv.cache_full_blocks(req)
 
     def has_unfinished(self) -> bool:
         """Requests are queued or running, or a step's tokens are still to be read (call step())."""

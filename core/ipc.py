@@ -3,6 +3,7 @@
 Every process of one cluster lives under one run directory; each receiving socket is bound by its owner:
 router.sock (router, PULL), prefill-{i}.sock (prefill worker i, PULL), prefill-{i}.handshake.sock
 (prefill worker i, REP), decode-{j}.sock (decode worker j, PULL). Senders connect PUSH sockets.
+Each worker also binds {role}-{i}.kv.sock (PUB: its KV cache events), to which the router connects a SUB.
 
 NOTE: no torch here: the router imports this module.
 """
@@ -33,6 +34,23 @@ def handshake_addr(run_dir: str | Path, worker: int) -> str:
 
 def decode_addr(run_dir: str | Path, worker: int) -> str:
     return f"ipc://{Path(run_dir) / f'decode-{worker}.sock'}"
+
+
+def kv_events_addr(run_dir: str | Path, role: str, worker: int) -> str:
+    return f"ipc://{Path(run_dir) / f'{role}-{worker}.kv.sock'}"
+
+
+KV_EVENTS_HWM = 10_000
+"""Messages a PUB socket queues per subscriber before it drops (the subscriber then sees a seq gap)."""
+
+
+def bind_pub(ctx: zmq.Context, addr: str, hwm: int = KV_EVENTS_HWM) -> zmq.Socket:
+    """PUB: never blocks the sender; a slow or absent subscriber loses messages (LINGER 0, SNDHWM hwm)."""
+    sock = ctx.socket(zmq.PUB)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(addr)
+    return sock
 
 
 def bind_pull(ctx: zmq.Context, addr: str) -> zmq.Socket:

@@ -65,8 +65,7 @@ class KVCacheManager:
         """
         matched, logits = self._match(req) if self.enable_caching else ([], None)
         num_new = self.blocks_needed(req.num_tokens) - len(matched)
-        num_reusable = sum(1 for b in matched if self.pool.ref_cnt(b) == 0)
-        if num_new > self.pool.num_free_blocks - num_reusable:
+        if not self._fits(matched, num_new):
             return False
         self.pool.touch(matched)
         req.block_ids.extend(matched)
@@ -77,6 +76,36 @@ class KVCacheManager:
         req.num_registered_blocks = min(len(matched), req.num_tokens // self.block_size)
         req.tail_shared = full_hit and req.num_tokens % self.block_size != 0
         return logits
+
+    def adopt(self, req: Request, num_computed: int) -> int | None:
+        """Give req blocks for its first num_computed tokens, whose KV was computed elsewhere (a handoff).
+
+        Full blocks found in the prefix cache are shared (touched); the rest, the partial tail included, are
+        allocated. Sets req.num_computed_tokens and returns how many leading blocks are shared, or None when
+        the pool lacks room (nothing changed). The caller fills the blocks after the shared ones, then calls
+        cache_full_blocks.
+        NOTE: only the computed tokens' full blocks are matched: decode writes into the partial tail, and the
+        last token's KV does not exist yet.
+        """
+        num_full = num_computed // self.block_size
+        matched = self.pool.match_prefix(self._extend_hashes(req, num_full)) if self.enable_caching else []
+        num_new = self.blocks_needed(num_computed) - len(matched)
+        if not self._fits(matched, num_new):
+            return None
+        self.pool.touch(matched)
+        req.block_ids.extend(matched)
+        req.block_ids.extend(self.pool.allocate(num_new))
+        req.num_computed_tokens = num_computed
+        req.num_registered_blocks = len(matched)
+        return len(matched)
+
+    def _fits(self, matched: list[int], num_new: int) -> bool:
+        """Whether num_new blocks can be allocated once matched are touched.
+
+        NOTE: a free cached block in matched leaves the free queue when touched, so it is not free for num_new.
+        """
+        num_reusable = sum(1 for b in matched if self.pool.ref_cnt(b) == 0)
+        return num_new <= self.pool.num_free_blocks - num_reusable
 
     def _match(self, req: Request) -> tuple[list[int], torch.Tensor | None]:
         """Longest cached run of req's blocks, and last_logits when every token (tail too) is cached."""
@@ -120,12 +149,7 @@ class KVCacheManager:
         computed, cache its last_logits row and its partial tail block too."""
         if not self.enable_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
-        if num_full > req.num_registered_blocks:  # NOTE: hashes are extended only when a block fills
-            hashes = self._extend_hashes(req, num_full)
-            for i in range(req.num_registered_blocks, num_full):
-                self.pool.cache_block(req.block_ids[i], hashes[i])
-            req.num_registered_blocks = num_full
+        self.cache_full_blocks(req)
         just_prefilled = req.num_computed_tokens == len(req.token_ids) == req.num_prompt_tokens
         if last_logits is None or not just_prefilled:
             return
@@ -133,6 +157,20 @@ class KVCacheManager:
         if req.num_tokens % self.block_size:
             req.tail_shared = self.pool.cache_block(req.block_ids[-1], final_hash)
         self.logits.put(final_hash, last_logits)
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Offer req's computed full blocks not offered yet to the prefix cache.
+
+        NOTE: only once their KV is written (or its copy is ordered before any later forward pass): a
+        registered block is found by other requests, which read it without recomputing.
+        """
+        num_full = req.num_computed_tokens // self.block_size
+        if not self.enable_caching or num_full <= req.num_registered_blocks:
+            return  # NOTE: hashes are extended only when a block fills
+        hashes = self._extend_hashes(req, num_full)
+        for i in range(req.num_registered_blocks, num_full):
+            self.pool.cache_block(req.block_ids[i], hashes[i])
+        req.num_registered_blocks = num_full
 
     def free(self, req: Request) -> None:
         """Release req's blocks, tail first, so a shared prefix outlives its private suffix in the LRU."""

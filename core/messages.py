@@ -182,6 +182,52 @@ class HandshakeEvent:
     descriptor: dict[str, Any] = field(default_factory=dict)
 
 
+KV_REMOVED = 0
+"""KvEventBatchEvent.events kind: the hash left the worker's prefix cache."""
+KV_STORED = 1
+"""KvEventBatchEvent.events kind: the hash entered the worker's prefix cache."""
+
+
+@dataclass(frozen=True)
+class KvEventBatchEvent:
+    """Worker -> router (PUB, may be lost): the prefix-cache changes of one loop iteration of one worker.
+
+    NOTE: seq is 1 for an incarnation's first batch and grows by 1 per batch; by 2 when the pool dropped
+    events, so that a missing seq always means the router's copy is stale and must be resynced.
+    """
+
+    TAG: ClassVar[str] = "kv_batch"
+    role: str
+    worker_id: int
+    incarnation: str
+    seq: int
+    block_size: int
+    events: list[tuple[int, int]]
+    """(kind, block_hash) in the order they happened, kind KV_STORED or KV_REMOVED: one step may remove a hash
+    and store it again, so the order matters."""
+
+
+@dataclass(frozen=True)
+class KvSnapshotCmd:
+    """Router -> worker (its inbox): send a KvSnapshotEvent."""
+
+    TAG: ClassVar[str] = "kv_snapshot_cmd"
+
+
+@dataclass(frozen=True)
+class KvSnapshotEvent:
+    """Worker -> router (its inbox): the whole prefix cache, as it is after batch seq (0: before any)."""
+
+    TAG: ClassVar[str] = "kv_snapshot"
+    role: str
+    worker_id: int
+    incarnation: str
+    seq: int
+    block_size: int
+    hashes: list[int]
+    """Every hash cached; NOTE: ~9 bytes each on the wire, so MAX_MESSAGE_BYTES holds ~7M blocks."""
+
+
 Message = (
     GenerateCmd
     | AbortCmd
@@ -194,6 +240,9 @@ Message = (
     | HeartbeatEvent
     | HandshakeCmd
     | HandshakeEvent
+    | KvEventBatchEvent
+    | KvSnapshotCmd
+    | KvSnapshotEvent
 )
 _TYPES: dict[str, type] = {
     t.TAG: t
@@ -209,6 +258,9 @@ _TYPES: dict[str, type] = {
         HeartbeatEvent,
         HandshakeCmd,
         HandshakeEvent,
+        KvEventBatchEvent,
+        KvSnapshotCmd,
+        KvSnapshotEvent,
     )
 }
 _NESTED = {"sampling": Sampling, "timings": Timings}
@@ -216,7 +268,14 @@ _NESTED = {"sampling": Sampling, "timings": Timings}
 
 def encode(msg: Message) -> bytes:
     """One frame: msgpack [version, tag, fields]."""
-    return msgpack.packb([PROTOCOL_VERSION, msg.TAG, dataclasses.asdict(msg)], use_bin_type=True)
+    return msgpack.packb([PROTOCOL_VERSION, msg.TAG, _fields_of(msg)], use_bin_type=True)
+
+
+def _fields_of(msg: Message) -> dict[str, Any]:
+    if isinstance(msg, (KvEventBatchEvent, KvSnapshotEvent)):
+        # NOTE: flat, and asdict would deep-copy every list (0.3 s for a snapshot of 270k hashes)
+        return {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    return dataclasses.asdict(msg)
 
 
 def decode(frame: bytes) -> Message:
@@ -235,7 +294,10 @@ def decode(frame: bytes) -> Message:
     cls = _TYPES.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise MessageError(f"unknown message type {tag!r}")
-    return _build(cls, fields)  # type: ignore[no-any-return]
+    msg = _build(cls, fields)
+    if isinstance(msg, (KvEventBatchEvent, KvSnapshotEvent)):
+        _check_kv(msg)
+    return msg  # type: ignore[no-any-return]
 
 
 @functools.cache
@@ -254,6 +316,8 @@ def _build(cls: type, fields: dict[str, Any]) -> Any:
             value = _build(nested, value)
         elif cls is TokenBatchEvent and name == "events":
             value = _build_events(value)
+        elif cls is KvEventBatchEvent and name == "events":
+            value = _build_kv_events(value)
         elif isinstance(value, list) and name == "stop_token_ids":
             value = tuple(value)
         kwargs[name] = value
@@ -267,6 +331,36 @@ def _build_events(value: Any) -> list[TokenEvent]:
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise MessageError("TokenBatchEvent.events must be a list of TokenEvent fields")
     return [_build(TokenEvent, v) for v in value]
+
+
+def _is_uint64(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 64
+
+
+def _build_kv_events(value: Any) -> list[tuple[int, int]]:
+    if not isinstance(value, list):
+        raise MessageError("KvEventBatchEvent.events must be a list of [kind, hash]")
+    events = []
+    for event in value:
+        ok = isinstance(event, list) and len(event) == 2 and type(event[0]) is int
+        if not (ok and event[0] in (KV_REMOVED, KV_STORED)):
+            raise MessageError(f"KvEventBatchEvent: bad event {event!r}")
+        events.append((event[0], event[1]))
+    return events
+
+
+def _check_kv(msg: KvEventBatchEvent | KvSnapshotEvent) -> None:
+    """The router keys and indexes by these fields: refuse anything it could not use."""
+    if msg.role not in ("prefill", "decode") or type(msg.worker_id) is not int or not isinstance(msg.incarnation, str):
+        raise MessageError(f"{type(msg).__name__}: bad origin {msg.role!r} {msg.worker_id!r} {msg.incarnation!r}")
+    if type(msg.seq) is not int or msg.seq < 0 or type(msg.block_size) is not int or msg.block_size <= 0:
+        raise MessageError(f"{type(msg).__name__}: bad seq {msg.seq!r} or block_size {msg.block_size!r}")
+    if isinstance(msg, KvEventBatchEvent):
+        hashes: Any = [h for _, h in msg.events]
+    else:
+        hashes = msg.hashes
+    if not (isinstance(hashes, list) and all(map(_is_uint64, hashes))):
+        raise MessageError(f"{type(msg).__name__}: block hashes must be unsigned 64-bit ints")
 
 
 def sampling_to_params(s: Sampling) -> SamplingParams:

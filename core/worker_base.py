@@ -1,4 +1,4 @@
-"""The loop both worker roles share: poll sockets, step the engine, heartbeat the router."""
+"""The loop both worker roles share: poll sockets, step the engine, publish KV cache events, heartbeat the router."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import zmq
 from core import ipc
 from core.engine import Engine
 from core.errors import InvalidRequestError
-from core.messages import GenerateCmd, HeartbeatEvent, Message, RequestErrorEvent, sampling_to_params
+from core.kv_events import KvEventPublisher, KvOrigin
+from core.messages import GenerateCmd, HeartbeatEvent, KvSnapshotCmd, Message, RequestErrorEvent, sampling_to_params
 from core.step_timer import StepTimer
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class WorkerBase:
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self.engine: Engine  # set by the subclass
+        self.kv_events: KvEventPublisher  # bound by run(), once the engine (and so the block size) exists
         self.step_timer = StepTimer()
 
     def handle(self, msg: Message) -> None:
@@ -137,6 +139,7 @@ class WorkerBase:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         log.info("%s worker %d ready (pid %d)", self.role, self.worker_id, os.getpid())
+        self.kv_events = self._bind_kv_events()
         self._heartbeat_thread.start()
         while not self._stopping:
             for sock, _ in self.poller.poll(self._poll_timeout_ms()):
@@ -149,7 +152,13 @@ class WorkerBase:
                 produced = self.step_engine()
                 self.step_timer.mark(produced and self.engine.has_unfinished())
             self.after_step()
+            self.kv_events.publish(self.engine.pool)
         self.close()
+
+    def _bind_kv_events(self) -> KvEventPublisher:
+        """NOTE: bound before the first heartbeat: a worker seen to come up is asked for a snapshot at once."""
+        origin = KvOrigin(self.role, self.worker_id, self.incarnation, self.engine.kv.block_size)
+        return KvEventPublisher.bind(self.ctx, ipc.kv_events_addr(self.run_dir, self.role, self.worker_id), origin)
 
     def _poll_timeout_ms(self) -> int:
         if self.engine.has_unfinished():
@@ -158,7 +167,10 @@ class WorkerBase:
 
     def _safe_handle(self, msg: Message) -> None:
         try:
-            self.handle(msg)
+            if isinstance(msg, KvSnapshotCmd):  # NOTE: both roles answer it alike; subclasses never see it
+                ipc.send(self.to_router, self.kv_events.snapshot(self.engine.pool))
+            else:
+                self.handle(msg)
         except Exception:  # NOTE: one bad message must not take the worker down
             log.exception("failed to handle %s", type(msg).__name__)
 

@@ -1,11 +1,15 @@
 """Decode worker: adopts handed-off requests, pulls their KV blocks, releases them, decodes and streams.
 
+A handed-off request's full blocks that this worker already holds (same chained hashes, e.g. a shared
+system prompt) are shared from its prefix cache instead of copied; only the rest are pulled, and the copied
+full blocks join the prefix cache once their pull is enqueued.
 NOTE: a pull only enqueues the copy (kvtransfer.base): the request decodes at once, its lease is released
-once the copy is done (polled every loop iteration), or at once when the pull failed.
+once the copy is done (polled every loop iteration), or at once when the pull failed or copied nothing.
 
-In a cluster without prefill workers (colocated mode, the baseline of the benchmarks) the router sends
-GenerateCmd here instead: the engine prefills the prompt itself (chunked, beside the running decodes) and
-streams every token, the first one included.
+The router may also send GenerateCmd here, in any cluster: always without prefill workers (colocated mode,
+the baseline of the benchmarks), and with them when this worker already holds most of the prompt and the
+uncached tail is short (conditional disaggregation). The engine then prefills the prompt itself (prefix
+cache hits, then chunked, beside the running decodes) and streams every token, the first one included.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import zmq
 
 from core import ipc
 from core.config import EngineConfig
-from core.engine import Engine
+from core.engine import Adoption, Engine
 from core.errors import InvalidRequestError
 from core.messages import (
     AbortCmd,
@@ -96,7 +100,8 @@ class DecodeWorker(WorkerBase):
         self.waiting: deque[HandoffCmd] = deque()  # handoffs that found no room yet (still leased)
         self.releasing: list[_PendingRelease] = []  # adopted handoffs whose copies are in flight (still leased)
         self.aborted: OrderedDict[str, None] = OrderedDict()  # recent aborts, for handoffs that race them
-        self.num_blocks_pulled: int = 0
+        self.num_blocks_pulled: int = 0  # blocks copied from prefill workers
+        self.num_blocks_shared: int = 0  # handed-off blocks found in the local prefix cache instead
         self.timings: dict[str, Timings] = {}  # requests whose first event (it carries these) is not out yet
 
     def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
@@ -108,6 +113,7 @@ class DecodeWorker(WorkerBase):
         return {
             **super().counters(),
             "blocks_pulled": self.num_blocks_pulled,
+            "blocks_shared": self.num_blocks_shared,
             "handoffs_waiting": len(self.waiting),
             "releases_pending": len(self.releasing),
         }
@@ -116,7 +122,7 @@ class DecodeWorker(WorkerBase):
         if isinstance(msg, HandoffCmd):
             self.waiting.append(msg)
             self._admit_waiting()
-        elif isinstance(msg, GenerateCmd) and not self.to_prefill:
+        elif isinstance(msg, GenerateCmd):
             self._generate(msg)
         elif isinstance(msg, AbortCmd):
             self._abort(msg.request_id)
@@ -124,7 +130,7 @@ class DecodeWorker(WorkerBase):
             log.warning("decode worker ignores %s", type(msg).__name__)
 
     def _generate(self, cmd: GenerateCmd) -> None:
-        """Colocated mode: prefill and decode the request here."""
+        """Prefill (what the prefix cache lacks) and decode the request here."""
         if self.add_request(cmd):
             self.timings[cmd.request_id] = Timings(arrival=cmd.timings.arrival, prefill_start=time.time())
 
@@ -170,7 +176,8 @@ class DecodeWorker(WorkerBase):
             self.waiting.popleft()
 
     def _adopt(self, cmd: HandoffCmd) -> bool:
-        """Pull cmd's blocks into our pool and start decoding it; False if there is no room yet."""
+        """Pull the blocks of cmd we do not hold into our pool and start decoding it; False if there is no
+        room yet."""
         s = cmd.sampling
         state = SamplingState(sampling_to_params(s), self.cfg.model.eos_token_ids, s.num_generated)
         try:
@@ -182,21 +189,29 @@ class DecodeWorker(WorkerBase):
         if dst is None:
             return False
         try:
-            self._ensure_peer(cmd.prefill_worker, cmd.pool_id)
-            handle = self.sink.pull(cmd.prefill_worker, cmd.block_ids[: len(dst)], dst)
+            handle = self._pull(cmd, dst)
         except Exception as exc:
             log.exception("KV pull from prefill worker %d failed", cmd.prefill_worker)
-            self.engine.abort(cmd.request_id)
+            self.engine.abort(cmd.request_id)  # NOTE: its blocks were never cached, so no hash keeps garbage
             ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "UNAVAILABLE", f"KV transfer failed: {exc}"))
             self._release(cmd)
             return True
-        self.num_blocks_pulled += len(dst)
+        self.engine.cache_adopted(cmd.request_id)
+        self.num_blocks_pulled += len(dst.dst)
+        self.num_blocks_shared += dst.num_shared
         self.timings[cmd.request_id] = dataclasses.replace(cmd.timings, handoff_end=time.time())
-        if handle.done():  # shm: the copy was synchronous
+        if handle.done():  # shm: the copy was synchronous; or nothing needed copying
             self._release(cmd)
         else:
             self.releasing.append(_PendingRelease(handle, cmd))
         return True
+
+    def _pull(self, cmd: HandoffCmd, dst: Adoption) -> PullHandle:
+        """Enqueue the copy of the blocks of cmd we do not hold into dst (none: no handshake, a done handle)."""
+        if not dst.dst:
+            return PullHandle()
+        self._ensure_peer(cmd.prefill_worker, cmd.pool_id)
+        return self.sink.pull(cmd.prefill_worker, dst.sources(cmd.block_ids), dst.dst)
 
     def _release(self, cmd: HandoffCmd, wait_ms: int = 200) -> None:
         ipc.send(self.to_prefill[cmd.prefill_worker], ReleaseCmd(self.worker_id, [cmd.lease_id]), wait_ms)
@@ -247,7 +262,7 @@ class DecodeWorker(WorkerBase):
         for out in self.engine.step():
             index = out.num_output_tokens - len(out.new_token_ids)
             timings = self.timings.pop(out.request_id, None)
-            if timings is not None and index == 0:  # NOTE: colocated: this worker computed the first token
+            if timings is not None and index == 0:  # NOTE: a GenerateCmd: this worker computed the first token
                 now = time.time()
                 timings = dataclasses.replace(timings, prefill_end=now, first_token=now, handoff_end=now)
             events.append(

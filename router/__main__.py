@@ -22,12 +22,22 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence before a worker is down")
     p.add_argument("--block-size", type=int, default=None, help="the workers' KV block size (for GetModelInfo)")
     p.add_argument("--grace", type=float, default=5.0, help="seconds streams get to finish on SIGTERM")
+    p.add_argument("--routing", choices=["prefix", "round_robin"], default="prefix", help="prefill worker choice")
+    p.add_argument("--max-queue-skew", type=int, default=8, help="queued requests that make a prefill worker hot")
+    p.add_argument(
+        "--conditional-disagg",
+        action="store_true",
+        help="a decode worker that holds all but a short tail of a prompt computes the tail itself",
+    )
+    p.add_argument("--local-prefill-threshold", type=int, default=64, help="longest such tail, tokens")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.prefill < 0 or args.decode < 1:
         p.error("--prefill must be >= 0 and --decode >= 1")
     if args.heartbeat_timeout <= 0:
         p.error("--heartbeat-timeout must be > 0")
+    if args.max_queue_skew < 1 or args.local_prefill_threshold < 1:
+        p.error("--max-queue-skew and --local-prefill-threshold must be >= 1")
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s router %(levelname)s %(name)s: %(message)s",
@@ -43,6 +53,10 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         heartbeat_timeout=args.heartbeat_timeout,
         block_size=args.block_size,
         grace_s=args.grace,
+        routing=args.routing,
+        max_queue_skew=args.max_queue_skew,
+        conditional_disagg=args.conditional_disagg,
+        local_prefill_threshold=args.local_prefill_threshold,
     )
 
 

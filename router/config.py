@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+Routing = Literal["prefix", "round_robin"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,15 @@ class RouterConfig:
     """KV block size of the workers, reported by GetModelInfo when known."""
     grace_s: float = 5.0
     """On SIGTERM, streams in flight get this long to finish."""
+    routing: Routing = "prefix"
+    """prefix: the prefill worker with the least uncached + queued tokens (router/routing.py); round_robin: the
+    cache-blind baseline of the routing benchmark."""
+    max_queue_skew: int = 8
+    """A prefill worker with this many more queued requests than the least-loaded one gets no more (prefix)."""
+    conditional_disagg: bool = False
+    """Send a request straight to its decode worker when that worker holds all but a short tail of the prompt."""
+    local_prefill_threshold: int = 64
+    """conditional_disagg: the longest uncached tail (tokens) a decode worker computes itself."""
 
     @property
     def colocated(self) -> bool:

@@ -1,9 +1,17 @@
-"""Least-loaded worker choice among the workers that are up."""
+"""Which workers get a new request: a prefill worker by routing policy (router/routing.py), a decode worker by
+load, or the decode worker alone when it holds all but a short tail of the prompt (conditional disaggregation).
+
+NOTE: keys are token ids (chained block hashes, router/prefix_index.py), never text.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
+
+from router.config import RouterConfig
+from router.prefix_index import PrefixIndex, prompt_block_hashes
+from router.routing import PendingPrefixes, PrefillLoad, RoundRobin, cached_tokens, choose_prefill_worker
 
 
 class NoWorkerError(RuntimeError):
@@ -11,18 +19,26 @@ class NoWorkerError(RuntimeError):
 
 
 COLOCATED = -1
-"""prefill_worker of a request that its decode worker prefills itself (a cluster without prefill workers)."""
+"""prefill_worker of a request that its decode worker prefills itself (a cluster without prefill workers, or
+conditional disaggregation)."""
 
 
 class Assignment(NamedTuple):
     prefill_worker: int
     """A prefill worker, or COLOCATED."""
     decode_worker: int
+    prefill_tokens: int = 0
+    """Prompt tokens the router expects the prefill worker to compute (0 for COLOCATED)."""
 
 
-def choose_prefill(up: Iterable[int], num_in_flight: Mapping[int, int]) -> int | None:
-    """Fewest requests still at prefill (the router's own count); ties go to the lowest id."""
-    return min(up, key=lambda i: (num_in_flight.get(i, 0), i), default=None)
+class ClusterView(NamedTuple):
+    """What the router knows of its workers when a request arrives."""
+
+    prefill_up: Sequence[int]
+    decode_up: Sequence[int]
+    prefill_load: Mapping[int, PrefillLoad]
+    num_at_decode: Mapping[int, int]
+    decode_free_blocks: Mapping[int, int]
 
 
 def choose_decode(up: Iterable[int], num_running: Mapping[int, int], num_free_blocks: Mapping[int, int]) -> int | None:
@@ -31,22 +47,72 @@ def choose_decode(up: Iterable[int], num_running: Mapping[int, int], num_free_bl
     return min(up, key=lambda j: (num_running.get(j, 0), -num_free_blocks.get(j, 0), j), default=None)
 
 
-def assign(
-    prefill_up: Iterable[int],
-    decode_up: Iterable[int],
-    num_at_prefill: Mapping[int, int],
-    num_at_decode: Mapping[int, int],
-    num_free_blocks: Mapping[int, int],
-    colocated: bool = False,
-) -> Assignment:
-    """A prefill and a decode worker for a new request; NoWorkerError when either role has none up.
+class Dispatcher:
+    """Assigns workers to requests and remembers, until their first token, the prompts routed to each prefill
+    worker (PendingPrefixes). NOTE: event-loop thread only."""
 
-    colocated: the cluster has no prefill workers; the decode worker prefills too.
-    """
-    prefill = COLOCATED if colocated else choose_prefill(prefill_up, num_at_prefill)
-    decode = choose_decode(decode_up, num_at_decode, num_free_blocks)
-    if prefill is None:
-        raise NoWorkerError("no prefill worker is up")
-    if decode is None:
-        raise NoWorkerError("no decode worker is up")
-    return Assignment(prefill, decode)
+    def __init__(self, cfg: RouterConfig, index: PrefixIndex) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.pending = PendingPrefixes()
+        self.round_robin = RoundRobin()
+        self.num_local_prefills = 0
+        """Requests sent straight to a decode worker by conditional disaggregation."""
+
+    def assign(self, request_id: str, token_ids: Sequence[int], view: ClusterView) -> Assignment:
+        """Workers for a new request; NoWorkerError when a role it needs has none up."""
+        decode = choose_decode(view.decode_up, view.num_at_decode, view.decode_free_blocks)
+        if decode is None:
+            raise NoWorkerError("no decode worker is up")
+        if self.cfg.colocated:
+            return Assignment(COLOCATED, decode)
+        local = self._local_decode_worker(token_ids, view)
+        if local is not None:
+            self.num_local_prefills += 1
+            return Assignment(COLOCATED, local)
+        if not view.prefill_up:
+            raise NoWorkerError("no prefill worker is up")
+        if self.cfg.routing == "round_robin":
+            prefill = self.round_robin.choose(view.prefill_up)
+            assert prefill is not None
+            return Assignment(prefill, decode, len(token_ids))
+        return self._route_by_prefix(request_id, token_ids, view, decode)
+
+    def _route_by_prefix(self, request_id: str, token_ids: Sequence[int], view: ClusterView, decode: int) -> Assignment:
+        block_size = self.index.block_size("prefill") or self.cfg.block_size
+        hashes = prompt_block_hashes(token_ids, block_size) if block_size else []
+        cached = self._cached_tokens(hashes, len(token_ids), block_size or 0)
+        skew = self.cfg.max_queue_skew
+        choice = choose_prefill_worker(view.prefill_up, len(token_ids), cached, view.prefill_load, skew)
+        assert choice is not None
+        if hashes:
+            self.pending.add(request_id, choice.worker, hashes)
+        return Assignment(choice.worker, decode, choice.uncached_tokens)
+
+    def _cached_tokens(self, hashes: list[int], num_tokens: int, block_size: int) -> dict[int, int]:
+        """prefill worker -> prompt tokens it holds or will hold (a prompt routed there and not yet reported)."""
+        if not hashes:
+            return {}
+        matched = self.index.match(hashes, "prefill")
+        for worker, n in self.pending.match(hashes).items():
+            matched[worker] = max(n, matched.get(worker, 0))
+        return {w: cached_tokens(n, len(hashes), num_tokens, block_size) for w, n in matched.items()}
+
+    def _local_decode_worker(self, token_ids: Sequence[int], view: ClusterView) -> int | None:
+        """Conditional disaggregation: the up decode worker holding the longest prefix of the prompt, if that
+        leaves <= local_prefill_threshold tokens to compute and its load is within max_queue_skew of the
+        least-loaded one's; None otherwise (or when off)."""
+        block_size = self.index.block_size("decode") if self.cfg.conditional_disagg else None
+        if not block_size or not view.decode_up:
+            return None
+        hashes = prompt_block_hashes(token_ids, block_size)
+        held = self.index.match(hashes, "decode")
+        least = min(view.num_at_decode.get(j, 0) for j in view.decode_up)
+        fit = [j for j in view.decode_up if view.num_at_decode.get(j, 0) - least < self.cfg.max_queue_skew]
+        best = max(fit, key=lambda j: (held.get(j, 0), -j))
+        cached = cached_tokens(held.get(best, 0), len(hashes), len(token_ids), block_size)
+        return best if cached > 0 and len(token_ids) - cached <= self.cfg.local_prefill_threshold else None
+
+    def forget(self, request_id: str) -> None:
+        """The request's prompt is computed (its first token arrived) or it ended: its KV events take over."""
+        self.pending.remove(request_id)

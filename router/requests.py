@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from core.messages import RequestErrorEvent, TokenEvent
+from router.routing import PrefillLoad
 
 InboxItem = TokenEvent | RequestErrorEvent
 
@@ -28,6 +29,8 @@ class TrackedRequest:
     inbox: asyncio.Queue[InboxItem] = field(default_factory=asyncio.Queue)
     at_prefill: bool = True
     """No token has arrived yet: the prefill worker still holds it."""
+    prefill_tokens: int = 0
+    """Prompt tokens the router expects its prefill worker to compute (uncached there at routing time)."""
 
 
 class RequestTable:
@@ -37,6 +40,7 @@ class RequestTable:
         self.requests: dict[str, TrackedRequest] = {}
         self.num_at_prefill: Counter[int] = Counter()
         self.num_at_decode: Counter[int] = Counter()
+        self.tokens_at_prefill: Counter[int] = Counter()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -47,12 +51,13 @@ class RequestTable:
     def get(self, request_id: str) -> TrackedRequest | None:
         return self.requests.get(request_id)
 
-    def open(self, request_id: str, prefill_worker: int, decode_worker: int) -> TrackedRequest:
+    def open(self, request_id: str, prefill_worker: int, decode_worker: int, prefill_tokens: int = 0) -> TrackedRequest:
         if request_id in self.requests:
             raise DuplicateRequestError(request_id)
-        req = TrackedRequest(request_id, prefill_worker, decode_worker)
+        req = TrackedRequest(request_id, prefill_worker, decode_worker, prefill_tokens=prefill_tokens)
         self.requests[request_id] = req
         self.num_at_prefill[prefill_worker] += 1
+        self.tokens_at_prefill[prefill_worker] += prefill_tokens
         self.num_at_decode[decode_worker] += 1
         return req
 
@@ -60,6 +65,7 @@ class RequestTable:
         if req.at_prefill:
             req.at_prefill = False
             self.num_at_prefill[req.prefill_worker] -= 1
+            self.tokens_at_prefill[req.prefill_worker] -= req.prefill_tokens
 
     def close(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -67,6 +73,10 @@ class RequestTable:
             return
         self.mark_past_prefill(req)
         self.num_at_decode[req.decode_worker] -= 1
+
+    def prefill_load(self) -> dict[int, PrefillLoad]:
+        """Per prefill worker: prompt tokens to compute and requests not past prefill (the router's own count)."""
+        return {w: PrefillLoad(self.tokens_at_prefill[w], n) for w, n in self.num_at_prefill.items()}
 
     def at_prefill(self, worker: int) -> list[TrackedRequest]:
         """Requests prefill worker `worker` holds (no token seen yet)."""

@@ -6,6 +6,12 @@ decode worker j binds decode-{j}.sock, which the router connects PUSH sockets to
 first heartbeat and down after `heartbeat_timeout` seconds without one, or when its incarnation changes (it
 restarted). Losing a decode worker fails every request assigned to it and tells every prefill worker to
 reclaim its leases; losing a prefill worker fails the requests that have not produced a token yet.
+
+KV cache events: every worker publishes its prefix-cache changes on {role}-{i}.kv.sock (PUB); one SUB socket
+here receives them all into `prefix_index` (router/prefix_index.py). A worker is asked for a snapshot
+(KvSnapshotCmd; it answers with KvSnapshotEvent in the inbox) when it comes up or restarts, when its batches
+show a gap, and again every SNAPSHOT_RETRY_S while it stays out of sync; it is dropped from the index when
+it goes down or restarts.
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ from core.messages import (
     DecodeWorkerLostCmd,
     GenerateCmd,
     HeartbeatEvent,
+    KvEventBatchEvent,
+    KvSnapshotCmd,
+    KvSnapshotEvent,
     Message,
     MessageError,
     RequestErrorEvent,
@@ -38,12 +47,15 @@ from core.messages import (
     decode,
 )
 from router.config import RouterConfig
-from router.dispatch import COLOCATED, NoWorkerError, assign
+from router.dispatch import COLOCATED, ClusterView, Dispatcher, NoWorkerError
+from router.prefix_index import PrefixIndex, WorkerKey
 from router.requests import DuplicateRequestError, RequestTable, TrackedRequest
 
 log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
 ChangeKind = Literal["up", "down", "restarted"]
+SNAPSHOT_RETRY_S = 1.0
+"""A worker out of sync is asked for a snapshot at most this often (the ask or the answer may be lost)."""
 
 
 @dataclass
@@ -123,6 +135,12 @@ class WorkerHub:
         self.to_prefill = [ipc.connect_push(self.ctx, ipc.prefill_addr(cfg.run_dir, i)) for i in range(cfg.num_prefill)]
         self.to_decode = [ipc.connect_push(self.ctx, ipc.decode_addr(cfg.run_dir, j)) for j in range(cfg.num_decode)]
         self.liveness = Liveness(cfg.num_prefill, cfg.num_decode, cfg.heartbeat_timeout)
+        self.kv_events = _connect_sub(
+            self.actx, [ipc.kv_events_addr(cfg.run_dir, st.role, st.worker_id) for st in self.liveness.all_workers()]
+        )
+        self.prefix_index = PrefixIndex()
+        self.dispatcher = Dispatcher(cfg, self.prefix_index)
+        self._snapshot_asked: dict[WorkerKey, float] = {}  # when each out-of-sync worker was last asked
         self.table = RequestTable()
         self.serving = asyncio.Event()
         self.listeners: list[Callable[[bool], None]] = []
@@ -131,7 +149,8 @@ class WorkerHub:
 
     # --- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
+        receivers = [self._receive(), self._receive_kv_events(), self._watch()]
+        self._tasks = [asyncio.create_task(coro) for coro in receivers]
 
     async def close(self) -> None:
         self.closed = True
@@ -141,6 +160,7 @@ class WorkerHub:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.inbox.close(linger=0)
+        self.kv_events.close(linger=0)
         self.ctx.destroy(linger=0)
 
     # --- requests -------------------------------------------------------------------------------------
@@ -148,16 +168,16 @@ class WorkerHub:
         """Pick the workers and send GenerateCmd; DuplicateRequestError / NoWorkerError when that is impossible."""
         if request_id in self.table:
             raise DuplicateRequestError(request_id)
-        live = self.liveness
-        workers = assign(
-            live.up("prefill"), live.up("decode"),
-            self.table.num_at_prefill, self.table.num_at_decode, live.free_blocks("decode"), self.cfg.colocated,
-        )  # fmt: skip
-        req = self.table.open(request_id, *workers)
+        live, table = self.liveness, self.table
+        view = ClusterView(
+            live.up("prefill"), live.up("decode"), table.prefill_load(), table.num_at_decode, live.free_blocks("decode")
+        )
+        workers = self.dispatcher.assign(request_id, token_ids, view)
+        req = table.open(request_id, workers.prefill_worker, workers.decode_worker, workers.prefill_tokens)
         cmd = GenerateCmd(request_id, token_ids, sampling, workers.decode_worker, Timings(arrival=arrival))
         target, name = self._first_worker(workers.prefill_worker, workers.decode_worker)
         if not ipc.send(target, cmd):
-            self.table.close(request_id)
+            self.release(request_id)
             raise NoWorkerError(f"{name} is not reachable")
         return req
 
@@ -177,6 +197,7 @@ class WorkerHub:
 
     def release(self, request_id: str) -> None:
         self.table.close(request_id)
+        self.dispatcher.forget(request_id)
 
     # --- inbox ----------------------------------------------------------------------------------------
     async def _receive(self) -> None:
@@ -200,6 +221,8 @@ class WorkerHub:
                 self._deliver(event)
         elif isinstance(msg, (TokenEvent, RequestErrorEvent)):
             self._deliver(msg)
+        elif isinstance(msg, KvSnapshotEvent):
+            self._kv_snapshot(msg)
         else:
             log.warning("router ignores %s", type(msg).__name__)
 
@@ -208,8 +231,9 @@ class WorkerHub:
         if req is None:
             log.debug("dropped %s for unknown request %s", type(msg).__name__, msg.request_id)
             return
-        if isinstance(msg, TokenEvent):
+        if isinstance(msg, TokenEvent) and req.at_prefill:
             self.table.mark_past_prefill(req)
+            self.dispatcher.forget(req.request_id)
         req.inbox.put_nowait(msg)
 
     def _heartbeat(self, hb: HeartbeatEvent) -> None:
@@ -220,18 +244,83 @@ class WorkerHub:
             return
         self._apply(changes)
 
+    # --- KV cache events ------------------------------------------------------------------------------
+    async def _receive_kv_events(self) -> None:
+        while True:
+            frames = await self.kv_events.recv_multipart()
+            try:
+                msg = decode(frames[0]) if len(frames) == 1 else None
+                if not isinstance(msg, KvEventBatchEvent):
+                    raise MessageError(
+                        f"expected a KvEventBatchEvent, got {type(msg).__name__} in {len(frames)} frame(s)"
+                    )
+                self._kv_batch(msg)
+            except MessageError as exc:
+                log.warning("dropped a bad KV event frame: %s", exc)
+            except Exception:  # NOTE: one bad message must not take the router down
+                log.exception("failed to handle a KV event batch")
+
+    def _kv_batch(self, batch: KvEventBatchEvent) -> None:
+        key = WorkerKey(batch.role, batch.worker_id)
+        if self._known(key) and not self.prefix_index.apply(batch):
+            self._ask_snapshot(key, time.monotonic())
+
+    def _kv_snapshot(self, snap: KvSnapshotEvent) -> None:
+        key = WorkerKey(snap.role, snap.worker_id)
+        if not self._known(key):
+            return
+        self._snapshot_asked.pop(key, None)
+        if not self.prefix_index.apply_snapshot(snap):
+            self._ask_snapshot(key, time.monotonic())
+
+    def _ask_snapshot(self, key: WorkerKey, now: float) -> None:
+        """KvSnapshotCmd to key, unless it was asked less than SNAPSHOT_RETRY_S ago and has not answered.
+
+        NOTE: wait_ms=0: never stalls the event loop; a lost ask is repeated by _retry_snapshots."""
+        asked = self._snapshot_asked.get(key)
+        if asked is not None and now - asked < SNAPSHOT_RETRY_S:
+            return
+        self._snapshot_asked[key] = now
+        sock = self.to_prefill[key.worker_id] if key.role == "prefill" else self.to_decode[key.worker_id]
+        ipc.send(sock, KvSnapshotCmd(), wait_ms=0)
+
+    def _retry_snapshots(self, now: float) -> None:
+        """Ask every up worker the index is not in sync with (NOTE: also one it has heard nothing from: the ask
+        on its coming up may have found no connection yet)."""
+        for st in self.liveness.all_workers():
+            key = WorkerKey(st.role, st.worker_id)
+            if st.up and self.prefix_index.synced_seq(key) is None:
+                self._ask_snapshot(key, now)
+
+    def _known(self, key: WorkerKey) -> bool:
+        if self._worker_state(key) is None:
+            log.warning("dropped KV events of unknown worker %r %r", key.role, key.worker_id)
+            return False
+        return True
+
+    def _worker_state(self, key: WorkerKey) -> WorkerState | None:
+        states = self.liveness.workers.get(key.role)  # type: ignore[call-overload]
+        return states[key.worker_id] if states is not None and 0 <= key.worker_id < len(states) else None
+
+    def kv_block_size(self, role: Role) -> int | None:
+        """The block size role's workers hash prompts with (learned from their KV events, else configured)."""
+        return self.prefix_index.block_size(role) or self.cfg.block_size
+
     # --- liveness -------------------------------------------------------------------------------------
     async def _watch(self) -> None:
         interval = min(0.1, self.cfg.heartbeat_timeout / 4)
         while True:
             await asyncio.sleep(interval)
-            self._apply(self.liveness.expire(time.monotonic()))
+            now = time.monotonic()
+            self._apply(self.liveness.expire(now))
+            self._retry_snapshots(now)
 
     def _apply(self, changes: list[Change]) -> None:
         for change in changes:
             log.info("%s worker %d is %s", change.role, change.worker_id, change.kind)
             if change.kind != "up":
                 self._lost(change.role, change.worker_id, "went down" if change.kind == "down" else "restarted")
+            self._kv_change(change)
         serving = self.liveness.serving
         if serving != self.serving.is_set():
             log.info("router is %s", "serving" if serving else "not serving")
@@ -242,6 +331,16 @@ class WorkerHub:
             for listener in self.listeners:
                 listener(serving)
 
+    def _kv_change(self, change: Change) -> None:
+        """A worker that went down or restarted leaves the index at once; one that is up (again) is asked for a
+        snapshot: batches it published before our SUB connected are lost (the PUB slow joiner)."""
+        key = WorkerKey(change.role, change.worker_id)
+        self._snapshot_asked.pop(key, None)
+        if change.kind != "up":
+            self.prefix_index.remove_worker(key)
+        if change.kind != "down":
+            self._ask_snapshot(key, time.monotonic())
+
     def _lost(self, role: Role, worker: int, what: str) -> None:
         reqs = self.table.at_decode(worker) if role == "decode" else self.table.at_prefill(worker)
         for req in reqs:
@@ -249,6 +348,18 @@ class WorkerHub:
         if role == "decode":
             for sock in self.to_prefill:
                 ipc.send(sock, DecodeWorkerLostCmd(worker))
+
+
+def _connect_sub(ctx: zmq.asyncio.Context, addrs: list[str]) -> zmq.asyncio.Socket:
+    """One SUB to every worker's PUB (connecting before a worker binds is fine: ZMQ retries)."""
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RECONNECT_IVL, 20)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    for addr in addrs:
+        sock.connect(addr)
+    return sock
 
 
 def _bind_pull(ctx: zmq.asyncio.Context, addr: str) -> zmq.asyncio.Socket:

@@ -12,6 +12,9 @@ Parts (each fits one ~10-minute device call):
   shared-prefix rates.
 - colocated: one worker doing prefill (chunked) and decode: interference and the random load.
 - transformers: the random load through transformers `generate` in static batches.
+- routing (issue 6): 2 prefill workers + 1 decode worker, prefix-aware routing vs round-robin: a shared-prefix
+  load whose prefixes fit one worker's KV pool only in part (cache-hit token ratio, TTFT), and a burst of 32
+  requests with the same token ids, half sent as text (prefill forward passes, TTFT).
 Each run writes its own JSON (and PNGs) under --out; summary.json collects the headline numbers.
 """
 
@@ -48,11 +51,18 @@ SHARED_RATES = (1, 5, 10, 20)
 EXACT_PREFIX = "1000"
 
 
+def num_prefill_workers(flags: list[str]) -> int:
+    if "--colocated" in flags:
+        return 0
+    return int(flags[flags.index("--prefill") + 1]) if "--prefill" in flags else 1
+
+
 class Cluster:
     """scripts/supervisor.py in the background, on one GPU."""
 
     def __init__(self, model: Path, run_dir: Path, flags: list[str], log: Path) -> None:
         self.run_dir = run_dir
+        self.num_prefill = num_prefill_workers(flags)
         argv = [sys.executable, str(ROOT / "scripts" / "supervisor.py"), "--model", str(model), "--device", DEVICE]
         argv += ["--port", str(PORT), "--run-dir", str(run_dir), *flags]
         self.log = log
@@ -71,7 +81,11 @@ class Cluster:
     def decode_counters(self) -> dict[str, int]:
         """The decode worker's latest heartbeat counters (its step-interval histogram among them)."""
         time.sleep(0.6)  # NOTE: two heartbeat intervals, so the snapshot covers the run's last steps
-        stats = json.loads((self.run_dir / "stats" / "decode-0.json").read_text())
+        return self.counters("decode-0")
+
+    def counters(self, worker: str) -> dict[str, int]:
+        """A worker's (e.g. "prefill-1") latest heartbeat counters."""
+        stats = json.loads((self.run_dir / "stats" / f"{worker}.json").read_text())
         return stats["counters"]  # type: ignore[no-any-return]
 
     def stop(self) -> None:
@@ -88,15 +102,22 @@ def run_bench(cluster: Cluster, out: Path, name: str, args: list[str]) -> dict[s
     path = out / f"{name}.json"
     argv = ["--address", f"127.0.0.1:{PORT}", "--no-progress", "--save-detailed", "--result-json", str(path), *args]
     started, before = time.monotonic(), cluster.decode_counters()
+    forwards = prefill_forwards(cluster)
     code = bench.main(argv)
     after = cluster.decode_counters()
     report = json.loads(path.read_text())
+    report["prefill_forward_calls"] = prefill_forwards(cluster) - forwards
     steps = {f"p{int(q * 100)}": quantile_ms(before, after, q) for q in (0.5, 0.9, 0.99)}
     report["worker_step_ms"] = {k: "inf" if v == float("inf") else v for k, v in steps.items()}
     report["gpu"] = gpu_name()
     path.write_text(json.dumps(report, indent=1))
     print(f"== {name}: exit {code}, {time.monotonic() - started:.1f} s, decode steps {steps}", flush=True)
     return report  # type: ignore[no-any-return]
+
+
+def prefill_forwards(cluster: Cluster) -> int:
+    """Forward passes of every prefill worker so far (their heartbeat counters)."""
+    return sum(cluster.counters(f"prefill-{i}")["forward_calls"] for i in range(cluster.num_prefill))
 
 
 def with_cluster(model: Path, out: Path, label: str, flags: list[str], runs: list[tuple[str, list[str]]]) -> None:
@@ -137,6 +158,23 @@ def part_disagg(model: Path, out: Path) -> None:
     with_cluster(model, out, "disagg-nocache", [*WORKER_FLAGS, "--no-prefix-caching"], shared_prefix_runs("nocache"))
 
 
+ROUTING_FLAGS = [*WORKER_FLAGS, "--prefill", "2", "--num-blocks", "2000"]
+ROUTING_SHARED = ["--dataset", "shared-prefix", "--num-groups", "32", "--prefix-len", "1500", "--suffix-len", "100"]
+ROUTING_SHARED += ["--output-len", "16", "--num-prompts", "320", "--request-rate", "20"]
+ROUTING_BURST = ["--dataset", "duplicate", "--num-groups", "1", "--copies", "32", "--num-words", "1000"]
+ROUTING_BURST += ["--output-len", "16", "--request-rate", "inf"]
+
+
+def part_routing(model: Path, out: Path) -> None:
+    """32 prefixes of 94 blocks (3000 blocks) over two prefill workers of 2000 blocks: prefix-aware routing can
+    keep each prefix on one worker, round-robin makes both hold all of them. Prefill forward passes of each
+    run (both workers) go into its JSON."""
+    for policy in ("prefix", "round_robin"):
+        burst = [*ROUTING_BURST, "--model-dir", str(model)]  # NOTE: the tokenizer that makes the texts
+        runs = [(f"routing-shared-{policy}", ROUTING_SHARED), (f"routing-burst-{policy}", burst)]
+        with_cluster(model, out, f"routing-{policy}", [*ROUTING_FLAGS, "--routing", policy], runs)
+
+
 def part_interference(model: Path, out: Path) -> None:
     """The three interference runs alone (disaggregated, decode-only, colocated)."""
     runs = [
@@ -171,13 +209,14 @@ def part_colocated(model: Path, out: Path) -> None:
 
 COMMANDS = [
     f"python scripts/bench_serving_suite.py --part {part} --out RESULTS"
-    for part in ("disagg", "colocated", "interference", "throughput")
+    for part in ("disagg", "colocated", "interference", "throughput", "routing")
 ] + ["python scripts/bench_serving_suite.py --part summarize --results RESULTS --out bench/results/serving_h200"]
 HEADLINE = {
     "interference": ("interference-disagg", "interference-decode-only", "interference-colocated"),
     "shared_prefix": tuple(f"shared-{c}-rate{r}" for c in ("cache", "nocache") for r in SHARED_RATES),
     "exact_hit": ("exact-hit",),
     "throughput": ("random-disagg", "random-colocated", "random-transformers", "burst-disagg", "burst-colocated"),
+    "routing": tuple(f"routing-{load}-{p}" for load in ("shared", "burst") for p in ("prefix", "round_robin")),
 }
 KEYS = ("completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms",
         "output_throughput", "request_goodput")  # fmt: skip
@@ -209,6 +248,9 @@ def summarize(results: Path, dest: Path, gpu: str) -> dict[str, Any]:
             tag = "short" if group == "interference" else None
             metrics = report["metrics_by_tag"][tag] if tag else report["metrics"]
             row = {k: metrics.get(k) for k in KEYS} | {"worker_step_ms": report.get("worker_step_ms")}
+            if group == "routing":
+                hit = metrics["total_cached_tokens"] / max(1, metrics["total_input_tokens"])
+                row |= {"cache_hit_token_ratio": hit, "prefill_forward_calls": report.get("prefill_forward_calls")}
             summary["runs"].setdefault(group, {})[name] = row
             requests = report.pop("requests", [])
             (dest / path.name).write_text(json.dumps(report, indent=1))
@@ -220,7 +262,8 @@ def summarize(results: Path, dest: Path, gpu: str) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=["disagg", "colocated", "interference", "throughput", "summarize"], required=True)
+    names = ["disagg", "colocated", "interference", "throughput", "routing", "summarize"]
+    p.add_argument("--part", choices=names, required=True)
     p.add_argument("--results", default=None, help="summarize: the folder of the runs' JSON files")
     p.add_argument("--gpu", default=None, help="summarize: the GPU the runs had (default: each report's)")
     p.add_argument("--out", required=True)
@@ -242,6 +285,7 @@ def main() -> int:
         "colocated": part_colocated,
         "interference": part_interference,
         "throughput": part_throughput,
+        "routing": part_routing,
     }
     parts[args.part](model, out)
     return 0

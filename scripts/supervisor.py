@@ -77,13 +77,16 @@ def build_children(args: argparse.Namespace, run_dir: Path, extra: list[str]) ->
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     common = ["--model", args.model, "--run-dir", str(run_dir)]
-    worker = [*common, "--device", args.device, "--transport", args.transport, *extra]
+    worker = [*common, "--device", args.device, "--transport", args.transport, "--block-size", str(args.block_size)]
+    worker += extra
     worker += ["--num-prefill", str(args.prefill), "--num-decode", str(args.decode)]
     children = [
         Child(
             "router",
             [py, "-m", "router", *common, "--port", str(args.port), "--bind", args.bind]
-            + ["--prefill", str(args.prefill), "--decode", str(args.decode)],
+            + ["--prefill", str(args.prefill), "--decode", str(args.decode), "--routing", args.routing]
+            + ["--block-size", str(args.block_size)]
+            + (["--conditional-disagg"] if args.conditional_disagg else []),
             logs / "router.log",
         )
     ]
@@ -224,6 +227,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         "--colocated",
         action="store_true",
         help="no prefill workers: each decode worker prefills its own requests (the benchmarks' baseline)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens) of every worker")
+    p.add_argument("--routing", choices=["prefix", "round_robin"], default="prefix", help="router: prefill choice")
+    p.add_argument(
+        "--conditional-disagg",
+        action="store_true",
+        help="router: a decode worker holding all but a short prompt tail (<= 64 tokens) computes it itself",
     )
     args, extra = p.parse_known_args(argv)
     if args.transport is None:

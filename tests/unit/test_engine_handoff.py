@@ -27,10 +27,10 @@ def test_detach_copy_adopt_equals_single_engine(tiny_llama_dir: Path) -> None:
             first[out.request_id] = out.new_token_ids[0]
             req = prefill.detach(out.request_id)
             sampling = SamplingState(req.sampling.params, req.sampling.eos_token_ids, req.sampling.num_generated)
-            dst = decode.adopt(req.request_id, req.token_ids, req.num_prompt_tokens, sampling)
-            assert dst is not None
-            src = req.block_ids[: len(dst)]
-            decode.runner.kv_pool[:, :, dst] = prefill.runner.kv_pool[:, :, src]
+            adoption = decode.adopt(req.request_id, req.token_ids, req.num_prompt_tokens, sampling)
+            assert adoption is not None
+            src = adoption.sources(req.block_ids)
+            decode.runner.kv_pool[:, :, adoption.dst] = prefill.runner.kv_pool[:, :, src]
             prefill.release_blocks(req.block_ids)
     assert prefill.pool.num_used_blocks == 0
     rest: dict[str, list[int]] = {rid: [] for rid in first}

@@ -54,9 +54,9 @@ def test_prefill_lease_pull_release_equals_single_engine(tiny_llama_dir: Path) -
             req = prefill.detach(out.request_id)
             lease_id = leases.grant(req.request_id, 0, req.block_ids, now=0.0, ttl=30.0)
             state = SamplingState(req.sampling.params, req.sampling.eos_token_ids, req.sampling.num_generated)
-            dst = decode.adopt(req.request_id, req.token_ids, req.num_prompt_tokens, state)
-            assert dst is not None
-            handle = sink.pull(0, req.block_ids[: len(dst)], dst)
+            adoption = decode.adopt(req.request_id, req.token_ids, req.num_prompt_tokens, state)
+            assert adoption is not None
+            handle = sink.pull(0, adoption.sources(req.block_ids), adoption.dst)
             assert handle.done()  # NOTE: the lease may be released only once the copy is done
             prefill.release_blocks(leases.release([lease_id]))
     assert len(leases) == 0 and prefill.pool.num_used_blocks == 0

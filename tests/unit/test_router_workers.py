@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from core.messages import HeartbeatEvent
-from router.dispatch import Assignment, NoWorkerError, assign, choose_decode, choose_prefill
+from core.messages import HeartbeatEvent, KvSnapshotEvent
+from router.config import RouterConfig
+from router.dispatch import COLOCATED, Assignment, ClusterView, Dispatcher, NoWorkerError, choose_decode
+from router.prefix_index import PrefixIndex, prompt_block_hashes
 from router.requests import DuplicateRequestError, RequestTable
+from router.routing import PrefillLoad
 from router.workers import Change, Liveness
 
 
@@ -40,24 +43,90 @@ def test_heartbeat_from_an_unknown_worker_is_refused(beat: HeartbeatEvent) -> No
         Liveness(1, 1, timeout=2.0).observe(beat, now=0.0)
 
 
-def test_prefill_choice_is_least_loaded_then_lowest_id() -> None:
-    assert choose_prefill([0, 1, 2], {0: 2, 1: 1, 2: 1}) == 1
-    assert choose_prefill([2, 0], {}) == 0
-    assert choose_prefill([], {}) is None
-
-
 def test_decode_choice_is_fewest_running_then_most_free_blocks_then_lowest_id() -> None:
     assert choose_decode([0, 1], {0: 3, 1: 1}, {0: 100, 1: 5}) == 1
     assert choose_decode([0, 1, 2], {}, {0: 5, 1: 50, 2: 50}) == 1
     assert choose_decode([1], {0: 0}, {}) == 1
 
 
+BS = 4
+PROMPT = list(range(100, 126))  # 6 full blocks of 4 + a 2-token tail
+
+
+def view(prefill_up: list[int], decode_up: list[int], load: dict[int, PrefillLoad] | None = None) -> ClusterView:
+    return ClusterView(prefill_up, decode_up, load or {}, {}, {})
+
+
+def dispatcher(**cfg: object) -> Dispatcher:
+    return Dispatcher(RouterConfig("m", "r", num_prefill=2, num_decode=2, **cfg), PrefixIndex())  # type: ignore[arg-type]
+
+
+def holds(d: Dispatcher, role: str, worker: int, token_ids: list[int]) -> None:
+    """The worker reports (a snapshot) that it caches token_ids' blocks."""
+    snap = KvSnapshotEvent(role, worker, "inc", 0, BS, prompt_block_hashes(token_ids, BS))
+    assert d.index.apply_snapshot(snap)
+
+
 def test_assignment_needs_a_worker_of_each_role_up() -> None:
-    assert assign([0], [1], {}, {}, {}) == Assignment(0, 1)
+    d = dispatcher()
+    assert d.assign("a", PROMPT, view([0], [1])) == Assignment(0, 1, len(PROMPT))
     with pytest.raises(NoWorkerError, match="prefill"):
-        assign([], [0], {}, {}, {})
+        d.assign("b", PROMPT, view([], [0]))
     with pytest.raises(NoWorkerError, match="decode"):
-        assign([0], [], {}, {}, {})
+        d.assign("c", PROMPT, view([0], []))
+
+
+def test_routing_sends_a_request_to_the_worker_with_the_longest_cached_prefix() -> None:
+    d = dispatcher()
+    holds(d, "prefill", 0, PROMPT[:8])
+    holds(d, "prefill", 1, PROMPT[:20])
+    assert d.assign("a", PROMPT, view([0, 1], [0])) == Assignment(1, 0, len(PROMPT) - 20)
+    # a worker that is down is not a candidate, whatever it holds
+    assert d.assign("b", PROMPT + [7], view([0], [0])) == Assignment(0, 0, len(PROMPT) + 1 - 8)
+
+
+def test_a_burst_of_one_prompt_lands_on_one_prefill_worker() -> None:
+    d = dispatcher(block_size=BS)  # NOTE: no worker has reported yet: the configured block size
+    load: dict[int, PrefillLoad] = {}
+    for i in range(12):
+        a = d.assign(f"r{i}", PROMPT, view([0, 1], [0], load))
+        assert a.prefill_worker == 0 and a.prefill_tokens == (len(PROMPT) if i == 0 else 0)
+        prev = load.get(0, PrefillLoad(0, 0))
+        load[0] = PrefillLoad(prev.queued_tokens + a.prefill_tokens, prev.queued_requests + 1)
+    d.forget("r0")  # NOTE: its first token came: worker 0's KV events take over
+    assert len(d.pending) == 11
+
+
+def test_round_robin_ignores_the_prefix_cache() -> None:
+    d = dispatcher(routing="round_robin")
+    holds(d, "prefill", 0, PROMPT)
+    assert [d.assign(f"r{i}", PROMPT, view([0, 1], [0])).prefill_worker for i in range(3)] == [0, 1, 0]
+    assert len(d.pending) == 0
+
+
+def test_conditional_disaggregation_sends_a_short_uncached_tail_to_the_decode_worker() -> None:
+    d = dispatcher(conditional_disagg=True, local_prefill_threshold=8)
+    holds(d, "decode", 1, PROMPT[:20])
+    # decode worker 1 (the least loaded) holds 20 of 26 tokens: it computes the 6 itself
+    assert d.assign("a", PROMPT, view([0], [1])) == Assignment(COLOCATED, 1)
+    assert d.num_local_prefills == 1
+    # the decode worker that holds the prompt is chosen over a less loaded one, within the load skew
+    assert d.assign("b", PROMPT, ClusterView([0], [0, 1], {}, {1: 7}, {})) == Assignment(COLOCATED, 1)
+    assert d.assign("c", PROMPT, ClusterView([0], [0, 1], {}, {1: 8}, {})).prefill_worker == 0
+    # a tail longer than the threshold, or no decode worker up that holds the prompt, goes to a prefill worker
+    assert d.assign("d", [*PROMPT, *range(9)], view([0], [1])).prefill_worker == 0
+    assert d.assign("e", PROMPT, view([0], [0])).prefill_worker == 0
+
+
+def test_conditional_disaggregation_is_off_by_default() -> None:
+    d = dispatcher()
+    holds(d, "decode", 0, PROMPT)
+    assert d.assign("a", PROMPT, view([0], [0])).prefill_worker == 0
+
+
+def test_colocated_cluster_needs_no_prefill_worker() -> None:
+    d = Dispatcher(RouterConfig("m", "r", num_prefill=0, num_decode=1), PrefixIndex())
+    assert d.assign("a", PROMPT, view([], [0])) == Assignment(COLOCATED, 0)
 
 
 def test_request_table_counts_requests_per_worker() -> None:
