@@ -183,4 +183,7 @@ class EngineConfig:
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """auto: the Triton kernels on CUDA, the torch reference elsewhere."""
     enforce_eager: bool = False
-    """Run decode passes eagerly; otherwise (CUDA, Triton backend) they replay captured CUDA graphs."""
+    """Run every pass eagerly; otherwise (CUDA, Triton backend) decode passes and prefill passes of up to
+    PREFILL_GRAPH_TOKENS[-1] tokens replay captured CUDA graphs (core/cuda_graphs.py, core/prefill_graphs.py)."""
+    capture_decode: bool = True
+    """Capture decode graphs (a prefill worker, which hands requests off after their first token, needs none)."""

@@ -11,6 +11,7 @@ from core.config import EngineConfig
 from core.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from core.decode_batch import DecodeBatch
 from core.models import load_model
+from core.prefill_graphs import HostInputs, PrefillGraphs
 from core.request import Request
 from core.sampler import SamplingState
 from core.sampling_params import SamplingParams
@@ -90,7 +91,8 @@ class ModelRunner:
         self.num_forward_tokens = 0
         max_blocks = -(-cfg.model.max_model_len // cfg.cache.block_size)
         self.decode_batch = DecodeBatch(cfg.scheduler.max_num_seqs, max_blocks, cfg.cache.block_size, self.device)
-        self.graphs = self._capture_graphs() if self._uses_graphs() else None
+        self.graphs = self._capture_graphs() if self._uses_graphs() and cfg.capture_decode else None
+        self.prefill_graphs = self._capture_prefill_graphs(max_blocks) if self._uses_graphs() else None
 
     def _uses_graphs(self) -> bool:
         if self.device.type != "cuda" or self.cfg.enforce_eager:
@@ -104,6 +106,17 @@ class ModelRunner:
         graphs = DecodeGraphs(self._decode_forward, self.decode_batch, self.backend, sizes)
         graphs.capture()
         return graphs
+
+    def _capture_prefill_graphs(self, max_blocks: int) -> PrefillGraphs:
+        graphs = PrefillGraphs(self._prefill_forward, self.backend, max_blocks, self.cfg.cache.block_size, self.device)
+        graphs.capture()
+        return graphs
+
+    def _prefill_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_idx: torch.Tensor
+    ) -> torch.Tensor:  # [len(logits_idx), vocab] float32
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        return self.model.compute_logits(hidden[logits_idx])  # type: ignore[operator]
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object) -> torch.Tensor:
         assert isinstance(meta, AttentionMetadata)
@@ -145,10 +158,14 @@ class ModelRunner:
         if is_decode_pass(plan.chunks):
             return self._execute_decode(plan.chunks, sampled_rows)
         assert sampled_rows is None, "only a decode pass takes tokens that are still on the device"
-        input_ids, positions, meta, logits_idx = self._prepare(plan)
+        host = self._host_inputs(plan)
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.fits(len(host.ids), len(host.seq_lens), host.tables.shape[1]):
+            return graphs.run(host)
+        meta, longs = self._to_device(host)
         self.backend.prepare(meta)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
-        return self.model.compute_logits(hidden[logits_idx])  # type: ignore[operator]
+        n = len(host.ids)
+        return self._prefill_forward(longs[:n], longs[n : 2 * n], meta, longs[3 * n :])
 
     def _execute_decode(
         self, chunks: list[ScheduledChunk], sampled_rows: Sequence[int] | None
@@ -163,8 +180,8 @@ class ModelRunner:
         self.backend.prepare(meta)
         return self._decode_forward(batch.input_ids[:n], batch.positions[:n], meta)
 
-    def _prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Flat inputs of a general pass, built with numpy on the host and moved in two copies."""
+    def _host_inputs(self, plan: StepPlan) -> HostInputs:
+        """Flat inputs of a general pass, built with numpy on the host."""
         bs, chunks = self.cfg.cache.block_size, plan.chunks
         q_lens = [c.num_tokens for c in chunks]
         starts = [c.req.num_computed_tokens for c in chunks]
@@ -179,18 +196,22 @@ class ModelRunner:
         seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)
         slots = tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
         logits_idx = q_start[1:][[c.samples for c in chunks]] - 1
-        n = len(pos)
-        longs = torch.from_numpy(np.concatenate([ids, pos, slots, logits_idx])).to(self.device, non_blocking=True)
-        ints = np.concatenate([q_start.astype(np.int32), np.asarray(seq_lens, dtype=np.int32), tables.ravel()])
-        ints_dev = torch.from_numpy(ints).to(self.device, non_blocking=True)
-        num_seqs = len(chunks)
+        return HostInputs(ids, pos, slots, logits_idx, q_start.astype(np.int32), np.asarray(seq_lens, np.int32), tables)
+
+    def _to_device(self, host: HostInputs) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Metadata of an eager pass and its [ids; positions; slots; logits_idx] on the device, in two copies."""
+        n, num_seqs, tables = len(host.ids), len(host.seq_lens), host.tables
+        longs_np = np.concatenate([host.ids, host.positions, host.slots, host.logits_idx])
+        longs = torch.from_numpy(longs_np).to(self.device, non_blocking=True)
+        ints = torch.from_numpy(np.concatenate([host.query_start, host.seq_lens, tables.ravel()]))
+        ints_dev = ints.to(self.device, non_blocking=True)
         meta = AttentionMetadata(
             slot_mapping=longs[2 * n : 3 * n],
             query_start_loc=ints_dev[: num_seqs + 1],
             seq_lens=ints_dev[num_seqs + 1 : 2 * num_seqs + 1],
             block_tables=ints_dev[2 * num_seqs + 1 :].view(num_seqs, tables.shape[1]),
-            query_lens=q_lens,
-            seq_lens_cpu=seq_lens,
-            block_size=bs,
+            query_lens=(np.diff(host.query_start)).tolist(),
+            seq_lens_cpu=host.seq_lens.tolist(),
+            block_size=self.cfg.cache.block_size,
         )
-        return longs[:n], longs[n : 2 * n], meta, longs[3 * n :]
+        return meta, longs

@@ -69,8 +69,8 @@ class PrefillWorker(WorkerBase):
             for name in remove_stale_segments():
                 log.info("removed a stale KV segment %s", name)
         self.kv_pool: KVPool | None = None
-        # NOTE: a prefill worker hands requests off after their first token, so it captures no decode graphs.
-        self.engine = Engine(dataclasses.replace(cfg, enforce_eager=True), kv_allocator=self._allocate_pool)
+        # NOTE: a prefill worker hands requests off after their first token: it captures prefill graphs only.
+        self.engine = Engine(dataclasses.replace(cfg, capture_decode=False), kv_allocator=self._allocate_pool)
         self.warm_up()
         self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
         assert self.kv_pool is not None

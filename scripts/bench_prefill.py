@@ -57,7 +57,7 @@ def time_cuda(fn, repeats: int) -> list[float]:  # type: ignore[no-untyped-def]
     return times
 
 
-def bench_engine(folder: Path, tokens: int, repeats: int, backend: str) -> list[float]:
+def bench_engine(folder: Path, tokens: int, repeats: int, backend: str, eager: bool = False) -> list[float]:
     model = ModelConfig.from_pretrained(folder, dtype="bfloat16", load_format="dummy")
     cfg = EngineConfig(
         model,
@@ -65,6 +65,7 @@ def bench_engine(folder: Path, tokens: int, repeats: int, backend: str) -> list[
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=tokens),
         device="cuda",
         attention_backend=backend,  # type: ignore[arg-type]
+        enforce_eager=eager,
     )
     engine = Engine(cfg)
     gen = torch.Generator().manual_seed(0)
@@ -150,6 +151,19 @@ def bench_transformers(folder: Path, tokens: int, repeats: int) -> list[float]:
     return time_cuda(run, repeats)
 
 
+def graphs_vs_eager(folder: Path, lengths: list[int]) -> dict[int, dict[str, float]]:
+    """Prefill latency of short prompts with prefill CUDA graphs and eagerly (host launch overhead), same process."""
+    rows = {}
+    for n in lengths:
+        row = {
+            mode: statistics.median(bench_engine(folder, n, 20, "triton", mode == "eager"))
+            for mode in ("graphs", "eager")
+        }
+        rows[n] = row
+        print(f"{n:6d} tokens: graphs {row['graphs']:7.2f} ms, eager {row['eager']:7.2f} ms")
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--tokens", type=int, default=4000)
@@ -157,6 +171,7 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--profile", action="store_true", help="print each engine run's top GPU kernels")
     p.add_argument("--trace", default="", help="write a Chrome trace of one Triton-backend run here")
+    p.add_argument("--lengths", default="", help="comma-separated prompt lengths: prefill graphs vs eager at each")
     args = p.parse_args()
     global PROFILE, TRACE
     PROFILE, TRACE = args.profile, args.trace
@@ -165,7 +180,7 @@ def main() -> int:
     rows = {"transformers": hf}
     for backend in ("torch", "triton"):
         rows[f"pdserve-{backend}"] = bench_engine(folder, args.tokens, args.repeats, backend)
-    result = {
+    result: dict[str, Any] = {
         "what": f"prefill latency, {args.tokens} tokens, bf16, Llama shape {SHAPE}",
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -173,10 +188,12 @@ def main() -> int:
         "median_ms": {k: statistics.median(v) for k, v in rows.items()},
         "p90_ms": {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in rows.items()},
     }
-    base = result["median_ms"]["transformers"]  # type: ignore[index]
-    result["ratio_vs_transformers"] = {k: v / base for k, v in result["median_ms"].items()}  # type: ignore[attr-defined]
-    for k, v in result["median_ms"].items():  # type: ignore[attr-defined]
+    base = result["median_ms"]["transformers"]
+    result["ratio_vs_transformers"] = {k: v / base for k, v in result["median_ms"].items()}
+    for k, v in result["median_ms"].items():
         print(f"{k:20s} median {v:8.2f} ms")
+    if args.lengths:
+        result["graphs_vs_eager_median_ms"] = graphs_vs_eager(folder, [int(n) for n in args.lengths.split(",")])
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

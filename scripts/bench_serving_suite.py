@@ -144,14 +144,22 @@ def shared_prefix_runs(label: str) -> list[tuple[str, list[str]]]:
     ]
 
 
+EXACT = ["--dataset", "shared-prefix", "--num-groups", "1", "--prefix-len", EXACT_PREFIX, "--suffix-len", "0"]
+EXACT += ["--output-len", "1", "--num-prompts", "50", "--max-concurrency", "1"]
+
+
+def part_shared(model: Path, out: Path) -> None:
+    """The shared-prefix rates with and without the prefix cache, and the exact hit (a subset of disagg)."""
+    with_cluster(model, out, "disagg", WORKER_FLAGS, [*shared_prefix_runs("cache"), ("exact-hit", EXACT)])
+    with_cluster(model, out, "disagg-nocache", [*WORKER_FLAGS, "--no-prefix-caching"], shared_prefix_runs("nocache"))
+
+
 def part_disagg(model: Path, out: Path) -> None:
-    exact = ["--dataset", "shared-prefix", "--num-groups", "1", "--prefix-len", EXACT_PREFIX, "--suffix-len", "0"]
-    exact += ["--output-len", "1", "--num-prompts", "50", "--max-concurrency", "1"]
     runs = [
         ("interference-disagg", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"]),
         ("interference-decode-only", [*INTERFERENCE, "--long-rate", "0", "--duration", "10"]),
         *shared_prefix_runs("cache"),
-        ("exact-hit", exact),
+        ("exact-hit", EXACT),
         ("random-disagg", RANDOM),
     ]
     with_cluster(model, out, "disagg", WORKER_FLAGS, runs)
@@ -262,7 +270,7 @@ def summarize(results: Path, dest: Path, gpu: str) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["disagg", "colocated", "interference", "throughput", "routing", "summarize"]
+    names = ["disagg", "shared", "colocated", "interference", "throughput", "routing", "summarize"]
     p.add_argument("--part", choices=names, required=True)
     p.add_argument("--results", default=None, help="summarize: the folder of the runs' JSON files")
     p.add_argument("--gpu", default=None, help="summarize: the GPU the runs had (default: each report's)")
@@ -286,6 +294,7 @@ def main() -> int:
         "interference": part_interference,
         "throughput": part_throughput,
         "routing": part_routing,
+        "shared": part_shared,
     }
     parts[args.part](model, out)
     return 0

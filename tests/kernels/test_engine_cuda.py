@@ -109,3 +109,33 @@ def test_half_precision_logits_match_hf_on_gpu(family: str, dtype: str, request:
     scale = want.abs().max().item()
     torch.testing.assert_close(ours, want, rtol=0, atol=0.03 * scale)
     assert (ours.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+
+
+def test_prefill_graphs_equal_eager_passes(tiny_llama_dir: Path) -> None:
+    """Graphed prefill passes (padded tokens and sequences) give the eager passes' logits: several sequences in
+    one pass over a cached prefix; passes of more sequences than a graph holds fall back to eager."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    base = EngineConfig(
+        ModelConfig.from_pretrained(tiny_llama_dir),
+        CacheConfig(num_blocks=512),
+        SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=4096),
+        device="cuda",
+    )
+    graphed, eager = Engine(base), Engine(replace(base, enforce_eager=True))
+    assert graphed.runner.prefill_graphs is not None and eager.runner.prefill_graphs is None
+    (prefix,) = random_prompts(1024, (40,), seed=44)
+    prompts = [prefix + p for p in random_prompts(1024, (3, 17, 30), seed=45)]
+    prompts += random_prompts(1024, (1, 100, 700), seed=46)
+    logits = []
+    for engine in (graphed, eager):
+        engine.generate([prefix], SamplingParams(temperature=0.0, max_tokens=1))  # caches the prefix's 2 blocks
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+        plan = engine.scheduler.schedule()
+        assert len(plan.chunks) == 6 and plan.num_tokens == sum(map(len, prompts)) - 3 * 32
+        logits.append(engine.runner.execute(plan).cpu())
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    many = random_prompts(1024, [5 + 3 * i for i in range(12)], seed=47)  # 12 sequences: more than a graph holds
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    fresh = [Engine(base), Engine(replace(base, enforce_eager=True))]
+    assert fresh[0].generate(many, params) == fresh[1].generate(many, params)

@@ -1,0 +1,130 @@
+"""CUDA graphs of small prefill passes: one graph per token count in a fixed set, padded up to the next size.
+
+A prefill pass of a few hundred tokens is bound by the host: launching ~12 kernels per layer from Python (the
+Triton launcher and its wrappers) takes longer than the GPU needs to run them, so a 100-token prompt cost
+nearly as much as a 1000-token one. A graph replays the whole pass with one launch.
+
+Inputs live in persistent buffers of PREFILL_GRAPH_TOKENS[-1] tokens and PREFILL_GRAPH_SEQS sequences. Padding
+tokens (past the pass's real tokens) have id 0 at position 0 and write their K/V into slot 0 of the null block;
+they belong to no sequence (query_start_loc stops at the real tokens), so attention leaves their rows
+unwritten and nothing reads them. Padding sequences have query length 0 and seq_len 0.
+
+NOTE: each graph was captured with max_query_len = its token count (the prefill kernel's grid); programs of
+rows past a sequence's real length exit at once. Captured largest first, so all share one memory pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kernels.attention import AttentionBackend, AttentionMetadata
+
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+"""Token counts with a captured graph; a pass of more tokens runs eagerly (its GPU time hides the launches)."""
+PREFILL_GRAPH_SEQS = 8
+"""Sequences a graphed pass holds at most; a pass of more runs eagerly."""
+
+PrefillForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
+"""(input_ids [T], positions [T], metadata, logits_idx [S]) -> logits [S, vocab] float32."""
+
+
+class HostInputs(NamedTuple):
+    """One general pass's flat inputs, built on the host (ModelRunner._host_inputs)."""
+
+    ids: np.ndarray  # [num_tokens] int64
+    positions: np.ndarray  # [num_tokens] int64
+    slots: np.ndarray  # [num_tokens] int64
+    logits_idx: np.ndarray  # [num_sampling] int64
+    query_start: np.ndarray  # [num_seqs + 1] int32
+    seq_lens: np.ndarray  # [num_seqs] int32
+    tables: np.ndarray  # [num_seqs, num_table_blocks] int32
+
+
+class PrefillGraphs:
+    """Persistent prefill inputs and the graphs captured over them."""
+
+    def __init__(
+        self, forward: PrefillForward, backend: AttentionBackend, max_blocks: int, block_size: int, device: torch.device
+    ) -> None:
+        self.forward, self.backend, self.block_size, self.device = forward, backend, block_size, device
+        t, s = PREFILL_GRAPH_TOKENS[-1], PREFILL_GRAPH_SEQS
+        # [ids; positions; slots] and [logits_idx], then [query_start; seq_lens; tables] as one int32 buffer
+        self.longs_cpu = torch.zeros(3 * t + s, dtype=torch.int64, pin_memory=True)
+        self.ints_cpu = torch.zeros(2 * s + 1 + s * max_blocks, dtype=torch.int32, pin_memory=True)
+        self.longs, self.ints = self.longs_cpu.to(device), self.ints_cpu.to(device)
+        self.max_blocks = max_blocks
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def fits(self, num_tokens: int, num_seqs: int, num_table_blocks: int) -> bool:
+        return (
+            num_tokens <= PREFILL_GRAPH_TOKENS[-1]
+            and num_seqs <= PREFILL_GRAPH_SEQS
+            and num_table_blocks <= self.max_blocks
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        for size in reversed(PREFILL_GRAPH_TOKENS):
+            self._graphs[size] = self._capture_one(size)
+
+    def _capture_one(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self._load(_padding_inputs(), size)  # NOTE: all padding: warm-up and capture write only the null block
+        args = self._views(size)
+        self.backend.prepare(args[2])
+        self.forward(*args)  # warm-up: compiles kernels
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.forward(*args)  # [PREFILL_GRAPH_SEQS, vocab]
+        return graph, logits
+
+    def run(self, host: HostInputs) -> torch.Tensor:  # [num_sampling, vocab] float32, a view of the graph's output
+        """Load a pass (fits() must hold) and replay the graph of the smallest size that holds it."""
+        size = next(s for s in PREFILL_GRAPH_TOKENS if s >= len(host.ids))
+        self._load(host, size)
+        graph, logits = self._graphs[size]
+        graph.replay()
+        return logits[: len(host.logits_idx)]
+
+    def _load(self, host: HostInputs, size: int) -> None:
+        t, s, n, b = PREFILL_GRAPH_TOKENS[-1], PREFILL_GRAPH_SEQS, len(host.ids), len(host.seq_lens)
+        longs, ints = self.longs_cpu.numpy(), self.ints_cpu.numpy()
+        for row, values in enumerate((host.ids, host.positions, host.slots)):
+            longs[row * t : row * t + n] = values
+            longs[row * t + n : row * t + size] = 0
+        longs[3 * t : 3 * t + len(host.logits_idx)] = host.logits_idx
+        longs[3 * t + len(host.logits_idx) : 3 * t + s] = 0
+        ints[: b + 1] = host.query_start
+        ints[b + 1 : s + 1] = n  # padding sequences: query length 0
+        ints[s + 1 : s + 1 + b] = host.seq_lens
+        ints[s + 1 + b : 2 * s + 1] = 0
+        tables = ints[2 * s + 1 :].reshape(s, self.max_blocks)
+        tables[:b, : host.tables.shape[1]] = host.tables
+        tables[b:, 0] = 0
+        self.longs.copy_(self.longs_cpu, non_blocking=True)
+        self.ints.copy_(self.ints_cpu, non_blocking=True)
+
+    def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        t, s = PREFILL_GRAPH_TOKENS[-1], PREFILL_GRAPH_SEQS
+        meta = AttentionMetadata(
+            slot_mapping=self.longs[2 * t : 2 * t + size],
+            query_start_loc=self.ints[: s + 1],
+            seq_lens=self.ints[s + 1 : 2 * s + 1],
+            block_tables=self.ints[2 * s + 1 :].view(s, self.max_blocks),
+            query_lens=[size] + [0] * (s - 1),  # NOTE: sizes the kernels' grids; real lengths are read on the device
+            seq_lens_cpu=[size] + [0] * (s - 1),
+            block_size=self.block_size,
+        )
+        return self.longs[:size], self.longs[t : t + size], meta, self.longs[3 * t : 3 * t + s]
+
+
+def _padding_inputs() -> HostInputs:
+    empty = np.zeros(0, dtype=np.int64)
+    return HostInputs(
+        empty, empty, empty, empty, np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros((0, 0), np.int32)
+    )
