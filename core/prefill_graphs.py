@@ -59,6 +59,7 @@ class PrefillGraphs:
         self.max_blocks = max_blocks
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        self._copied = torch.cuda.Event()  # recorded after each load's copies out of the pinned staging
 
     def fits(self, num_tokens: int, num_seqs: int, num_table_blocks: int) -> bool:
         return (
@@ -92,6 +93,12 @@ class PrefillGraphs:
         return logits[: len(host.logits_idx)]
 
     def _load(self, host: HostInputs, size: int) -> None:
+        """Stage host into the pinned buffers and copy them to the device (asynchronously).
+
+        NOTE: the previous load's copies must have left the staging before it is rewritten: passes launched
+        back to back (warm-up, a busy GPU under MPS) would otherwise replay a graph on the next pass's inputs.
+        """
+        self._copied.synchronize()
         t, s, n, b = PREFILL_GRAPH_TOKENS[-1], PREFILL_GRAPH_SEQS, len(host.ids), len(host.seq_lens)
         longs, ints = self.longs_cpu.numpy(), self.ints_cpu.numpy()
         for row, values in enumerate((host.ids, host.positions, host.slots)):
@@ -108,6 +115,7 @@ class PrefillGraphs:
         tables[b:, 0] = 0
         self.longs.copy_(self.longs_cpu, non_blocking=True)
         self.ints.copy_(self.ints_cpu, non_blocking=True)
+        self._copied.record()
 
     def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         t, s = PREFILL_GRAPH_TOKENS[-1], PREFILL_GRAPH_SEQS
