@@ -107,6 +107,7 @@ def run_bench(cluster: Cluster, out: Path, name: str, args: list[str]) -> dict[s
     after = cluster.decode_counters()
     report = json.loads(path.read_text())
     report["prefill_forward_calls"] = prefill_forwards(cluster) - forwards
+    report["decode_prefill_tokens"] = after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
     steps = {f"p{int(q * 100)}": quantile_ms(before, after, q) for q in (0.5, 0.9, 0.99)}
     report["worker_step_ms"] = {k: "inf" if v == float("inf") else v for k, v in steps.items()}
     report["gpu"] = gpu_name()
@@ -183,6 +184,18 @@ def part_routing(model: Path, out: Path) -> None:
         with_cluster(model, out, f"routing-{policy}", [*ROUTING_FLAGS, "--routing", policy], runs)
 
 
+LOCAL_TAIL = ["--dataset", "shared-prefix", "--num-groups", "8", "--prefix-len", "900", "--suffix-len", "32"]
+LOCAL_TAIL += ["--output-len", "30", "--num-prompts", "160", "--request-rate", "20"]
+
+
+def part_conditional(model: Path, out: Path) -> None:
+    """Conditional disaggregation on and off: shared prefixes with 32-token suffixes, which the decode worker
+    (holding each prefix after its group's first handoff) computes itself when on."""
+    for label, flags in (("on", ["--conditional-disagg"]), ("off", [])):
+        runs = [(f"conditional-{label}", LOCAL_TAIL)]
+        with_cluster(model, out, f"conditional-{label}", [*WORKER_FLAGS, *flags], runs)
+
+
 def part_interference(model: Path, out: Path) -> None:
     """The three interference runs alone (disaggregated, decode-only, colocated)."""
     runs = [
@@ -217,7 +230,7 @@ def part_colocated(model: Path, out: Path) -> None:
 
 COMMANDS = [
     f"python scripts/bench_serving_suite.py --part {part} --out RESULTS"
-    for part in ("disagg", "colocated", "interference", "throughput", "routing")
+    for part in ("disagg", "colocated", "interference", "throughput", "routing", "conditional")
 ] + ["python scripts/bench_serving_suite.py --part summarize --results RESULTS --out bench/results/serving_h200"]
 HEADLINE = {
     "interference": ("interference-disagg", "interference-decode-only", "interference-colocated"),
@@ -225,6 +238,7 @@ HEADLINE = {
     "exact_hit": ("exact-hit",),
     "throughput": ("random-disagg", "random-colocated", "random-transformers", "burst-disagg", "burst-colocated"),
     "routing": tuple(f"routing-{load}-{p}" for load in ("shared", "burst") for p in ("prefix", "round_robin")),
+    "conditional": ("conditional-on", "conditional-off"),
 }
 KEYS = ("completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms",
         "output_throughput", "request_goodput")  # fmt: skip
@@ -256,9 +270,10 @@ def summarize(results: Path, dest: Path, gpu: str) -> dict[str, Any]:
             tag = "short" if group == "interference" else None
             metrics = report["metrics_by_tag"][tag] if tag else report["metrics"]
             row = {k: metrics.get(k) for k in KEYS} | {"worker_step_ms": report.get("worker_step_ms")}
-            if group == "routing":
+            if group in ("routing", "conditional"):
                 hit = metrics["total_cached_tokens"] / max(1, metrics["total_input_tokens"])
                 row |= {"cache_hit_token_ratio": hit, "prefill_forward_calls": report.get("prefill_forward_calls")}
+                row |= {"decode_prefill_tokens": report.get("decode_prefill_tokens")}
             summary["runs"].setdefault(group, {})[name] = row
             requests = report.pop("requests", [])
             (dest / path.name).write_text(json.dumps(report, indent=1))
@@ -270,7 +285,7 @@ def summarize(results: Path, dest: Path, gpu: str) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["disagg", "shared", "colocated", "interference", "throughput", "routing", "summarize"]
+    names = ["disagg", "shared", "colocated", "interference", "throughput", "routing", "conditional", "summarize"]
     p.add_argument("--part", choices=names, required=True)
     p.add_argument("--results", default=None, help="summarize: the folder of the runs' JSON files")
     p.add_argument("--gpu", default=None, help="summarize: the GPU the runs had (default: each report's)")
@@ -295,6 +310,7 @@ def main() -> int:
         "throughput": part_throughput,
         "routing": part_routing,
         "shared": part_shared,
+        "conditional": part_conditional,
     }
     parts[args.part](model, out)
     return 0

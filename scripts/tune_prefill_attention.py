@@ -49,17 +49,7 @@ def time_config(args: tuple[torch.Tensor, ...], cfg: PrefillTileConfig, repeats:
     def run() -> None:
         launch_prefill_kernel(q, kv, bt, qsl, sl, q.shape[0], q.shape[2] ** -0.5, out, cfg)
 
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return median_ms(run, repeats)
 
 
 def sdpa_first_calls(lengths: list[int], repeats: int) -> list[dict[str, float]]:

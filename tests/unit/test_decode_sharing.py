@@ -25,7 +25,6 @@ from core.engine import Adoption, Engine
 from core.messages import (
     GenerateCmd,
     HandoffCmd,
-    Message,
     ReleaseCmd,
     Sampling,
     Timings,
@@ -40,6 +39,7 @@ from kvtransfer.base import KVTransferError, PullHandle, make_source
 from kvtransfer.pool import KVPool, allocate_kv_pool
 from kvtransfer.shm import ShmSink
 from tests.hf_reference import hf_greedy, random_prompts
+from tests.unit.test_decode_worker_release import received
 
 BS = 16
 MAX_TOKENS = 8
@@ -155,8 +155,6 @@ def test_room_check_counts_free_cached_blocks_once(tiny_llama_dir: Path) -> None
 # ---- worker level ----
 
 POOL_ID = "pool-a"
-RECV_TIMEOUT_MS = 2000
-QUIET_MS = 100
 
 
 class Harness(NamedTuple):
@@ -206,16 +204,6 @@ def harness(tiny_llama_dir: Path) -> Iterator[Harness]:
 def handoff(request_id: str, lease_id: int, prompt: list[int], block_ids: list[int]) -> HandoffCmd:
     sampling = Sampling(temperature=0.0, max_tokens=4, ignore_eos=True, num_generated=1)
     return HandoffCmd(request_id, 0, POOL_ID, lease_id, block_ids, [*prompt, 21], len(prompt), 0, sampling, Timings())
-
-
-def received(sock: zmq.Socket, count: int) -> list[Message]:
-    """The next count messages on sock, then whatever else arrives within QUIET_MS (so extras show)."""
-    got: list[Message] = []
-    while len(got) < count and sock.poll(RECV_TIMEOUT_MS):
-        got += ipc.recv_all(sock)
-    while sock.poll(QUIET_MS):
-        got += ipc.recv_all(sock)
-    return got
 
 
 def recording_sink(worker: DecodeWorker) -> RecordingSink:
