@@ -18,13 +18,34 @@ from core import ipc
 from core.engine import Engine
 from core.errors import InvalidRequestError
 from core.kv_events import KvEventPublisher, KvOrigin
-from core.messages import GenerateCmd, HeartbeatEvent, KvSnapshotCmd, Message, RequestErrorEvent, sampling_to_params
+from core.messages import (
+    GenerateCmd,
+    HeartbeatEvent,
+    KvSnapshotCmd,
+    Message,
+    RequestErrorEvent,
+    Sampling,
+    Timings,
+    sampling_to_params,
+)
 from core.step_timer import StepTimer
 
 log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
 PENDING_POLL_MS = 1
 """Poll timeout of an idle loop while has_pending_work(): short, so that work is not held up a heartbeat."""
+
+
+def bad_fields(cmd: GenerateCmd) -> str | None:
+    """Why cmd's fields do not have their types, or None. NOTE: decode() checks field names, not types; a
+    request queued with a wrong one would fail later, in the engine step, and take the worker down."""
+    if not isinstance(cmd.request_id, str) or type(cmd.decode_worker) is not int:
+        return f"request_id {cmd.request_id!r}, decode_worker {cmd.decode_worker!r}"
+    if not isinstance(cmd.sampling, Sampling) or not isinstance(cmd.timings, Timings):
+        return f"{cmd.request_id}: sampling or timings is not a mapping"
+    if not isinstance(cmd.token_ids, list) or not all(type(t) is int for t in cmd.token_ids):
+        return f"{cmd.request_id}: token_ids is not a list of ints"
+    return None
 
 
 class WorkerBase:
@@ -71,6 +92,10 @@ class WorkerBase:
 
     def add_request(self, cmd: GenerateCmd) -> bool:
         """Queue cmd's prompt in the engine; a request it refuses gets INVALID_ARGUMENT at the router."""
+        problem = bad_fields(cmd)
+        if problem is not None:
+            log.warning("dropped a bad GenerateCmd: %s", problem)
+            return False
         try:
             self.engine.add_request(cmd.request_id, cmd.token_ids, sampling_to_params(cmd.sampling))
         except InvalidRequestError as exc:

@@ -36,6 +36,7 @@ from core.messages import (
     Message,
     ReleaseCmd,
     RequestErrorEvent,
+    Sampling,
     Timings,
     TokenBatchEvent,
     TokenEvent,
@@ -68,6 +69,14 @@ class _PendingRelease(NamedTuple):
 
     handle: PullHandle
     cmd: HandoffCmd
+
+
+class StalePoolError(RuntimeError):
+    """A handoff names a pool its prefill worker no longer has (it restarted): its blocks and lease are gone."""
+
+
+def _is_int_list(value: object) -> bool:
+    return isinstance(value, list) and all(type(v) is int for v in value)
 
 
 class DecodeWorker(WorkerBase):
@@ -120,6 +129,10 @@ class DecodeWorker(WorkerBase):
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, HandoffCmd):
+            problem = self._bad_handoff(msg)
+            if problem is not None:
+                log.warning("dropped a bad HandoffCmd: %s", problem)
+                return
             self.waiting.append(msg)
             self._admit_waiting()
         elif isinstance(msg, GenerateCmd):
@@ -128,6 +141,18 @@ class DecodeWorker(WorkerBase):
             self._abort(msg.request_id)
         else:
             log.warning("decode worker ignores %s", type(msg).__name__)
+
+    def _bad_handoff(self, cmd: HandoffCmd) -> str | None:
+        """Why cmd's fields do not have their types, or None (decode() checks names, not types)."""
+        if type(cmd.prefill_worker) is not int or not 0 <= cmd.prefill_worker < len(self.to_prefill):
+            return f"prefill worker {cmd.prefill_worker!r}"
+        if not isinstance(cmd.request_id, str) or not isinstance(cmd.pool_id, str) or type(cmd.lease_id) is not int:
+            return f"request_id {cmd.request_id!r}, pool_id {cmd.pool_id!r}, lease_id {cmd.lease_id!r}"
+        if not (_is_int_list(cmd.block_ids) and _is_int_list(cmd.token_ids) and type(cmd.num_prompt_tokens) is int):
+            return f"{cmd.request_id}: block_ids, token_ids or num_prompt_tokens"
+        if not isinstance(cmd.sampling, Sampling) or not isinstance(cmd.timings, Timings):
+            return f"{cmd.request_id}: sampling or timings is not a mapping"
+        return None
 
     def _generate(self, cmd: GenerateCmd) -> None:
         """Prefill (what the prefix cache lacks) and decode the request here."""
@@ -171,7 +196,12 @@ class DecodeWorker(WorkerBase):
                 self.waiting.popleft()
                 self._release(cmd)
                 continue
-            if not self._adopt(cmd):
+            try:
+                adopted = self._adopt(cmd)
+            except Exception:  # NOTE: a handoff that cannot be adopted must not stay at the head and wedge the loop
+                log.exception("dropped handoff %s", cmd.request_id)
+                adopted = True
+            if not adopted:
                 return
             self.waiting.popleft()
 
@@ -194,7 +224,8 @@ class DecodeWorker(WorkerBase):
             log.exception("KV pull from prefill worker %d failed", cmd.prefill_worker)
             self.engine.abort(cmd.request_id)  # NOTE: its blocks were never cached, so no hash keeps garbage
             ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "UNAVAILABLE", f"KV transfer failed: {exc}"))
-            self._release(cmd)
+            if not isinstance(exc, StalePoolError):  # NOTE: its lease id may name another lease of the new pool
+                self._release(cmd)
             return True
         self.engine.cache_adopted(cmd.request_id)
         self.num_blocks_pulled += len(dst.dst)
@@ -242,6 +273,10 @@ class DecodeWorker(WorkerBase):
             raise RuntimeError(f"prefill worker {prefill_worker} refused the handshake: {reply.error}")
         self.sink.open(prefill_worker, reply.descriptor)  # NOTE: checks the descriptor's layout against ours
         self.peers[prefill_worker] = reply.pool_id
+        if reply.pool_id != pool_id:
+            raise StalePoolError(
+                f"the handoff names pool {pool_id!r}; prefill worker {prefill_worker} has {reply.pool_id!r}"
+            )
 
     def _handshake(self, prefill_worker: int) -> HandshakeEvent:
         sock = self.ctx.socket(zmq.REQ)

@@ -110,15 +110,23 @@ class PrefillWorker(WorkerBase):
             log.warning("prefill worker ignores %s", type(msg).__name__)
 
     def _generate(self, cmd: GenerateCmd) -> None:
+        if type(cmd.decode_worker) is not int or not 0 <= cmd.decode_worker < len(self.to_decode):
+            log.warning("dropped a GenerateCmd for decode worker %r", cmd.decode_worker)
+            return
         if self.add_request(cmd):
             self.pending[cmd.request_id] = _Pending(cmd.decode_worker, cmd.timings.arrival, time.time())
 
     def handle_socket(self, sock: zmq.Socket) -> None:
-        frame = sock.recv()
+        # NOTE: REP answers only once the whole request is read: every part, or the reply fails (EFSM)
+        frames = sock.recv_multipart()
         try:
-            msg = decode(frame)
+            if len(frames) != 1:
+                raise MessageError(f"a {len(frames)}-part handshake (expected 1)")
+            msg = decode(frames[0])
             if not isinstance(msg, HandshakeCmd):
                 raise MessageError(f"expected a handshake, got {type(msg).__name__}")
+            if not isinstance(msg.fingerprint, dict):
+                raise MessageError(f"fingerprint is {type(msg.fingerprint).__name__}, not a mapping")
             check_compatible(self.layout.fingerprint(), msg.fingerprint)
             reply = HandshakeEvent(ok=True, descriptor=self.source.descriptor(), pool_id=self.incarnation)
         except (MessageError, LayoutMismatchError) as exc:

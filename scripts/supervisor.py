@@ -29,6 +29,8 @@ from pathlib import Path
 READY_MARK = "pdserve router ready on"
 MAX_BACKOFF_S = 10.0
 STABLE_AFTER_S = 30.0
+STARTUP_ERROR_EXIT = 2
+"""Exit code of a child that cannot start (bad flag, missing model, port in use): restarting cannot help."""
 
 
 @dataclass
@@ -137,6 +139,7 @@ class Supervisor:
         self.mps = mps
         self.stopping = False
         self.ready = False
+        self.failure: str | None = None
 
     def run(self, address: str) -> int:
         signal.signal(signal.SIGTERM, self._stop)
@@ -150,13 +153,22 @@ class Supervisor:
             self._check_ready(address)
             self._write_status()
             time.sleep(0.1)
-        return self._shutdown()
+        self._shutdown()
+        if self.failure is not None:
+            print(self.failure, file=sys.stderr, flush=True)
+            return 1
+        return 0
 
     def _reap_and_restart(self) -> None:
         now = time.monotonic()
         for child in self.children:
             if child.proc is not None and child.proc.poll() is not None:
                 code = child.proc.returncode
+                if not self.ready and code == STARTUP_ERROR_EXIT:  # NOTE: the cluster never came up: give up
+                    lines = child.log_text_since_start().strip().splitlines() or ["(no output)"]
+                    self.failure = f"pdserve: {child.name} failed to start: {lines[-1]}"
+                    self.stopping = True
+                    return
                 if now - child.started_at > STABLE_AFTER_S:
                     child.backoff = 0.5
                 print(f"pdserve: {child.name} exited ({code}); restarting in {child.backoff:.1f}s", file=sys.stderr)
@@ -189,7 +201,7 @@ class Supervisor:
     def _stop(self, *_: object) -> None:
         self.stopping = True
 
-    def _shutdown(self) -> int:
+    def _shutdown(self) -> None:
         procs = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
@@ -203,7 +215,6 @@ class Supervisor:
         if self.mps is not None:
             self.mps.stop(self.env)
         print("pdserve: stopped", file=sys.stderr, flush=True)
-        return 0
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
