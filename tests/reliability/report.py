@@ -23,7 +23,7 @@ def record(scenario: str, requests: int, failures: int, leaked_blocks: int, reco
 
 
 def table(rows: list[Row]) -> str:
-    head = f"{"scenario":50s} {'requests':>8s} {'failures':>8s} {'leaked blocks':>13s} {'recovery':>9s}"
+    head = f"{'scenario':50s} {'requests':>8s} {'failures':>8s} {'leaked blocks':>13s} {'recovery':>9s}"
     lines = [head, "-" * len(head)]
     for r in rows:
         rec = "-" if r.recovery_s is None else f"{r.recovery_s:.2f} s"
