@@ -108,6 +108,7 @@ class DecodeWorker(WorkerBase):
         self.peers: dict[int, str] = {}  # prefill worker -> pool_id opened
         self.waiting: deque[HandoffCmd] = deque()  # handoffs that found no room yet (still leased)
         self.releasing: list[_PendingRelease] = []  # adopted handoffs whose copies are in flight (still leased)
+        self.num_aborted: int = 0  # requests aborted here: running, waiting, or a handoff that lost the race
         self.aborted: OrderedDict[str, None] = OrderedDict()  # recent aborts, for handoffs that race them
         self.num_blocks_pulled: int = 0  # blocks copied from prefill workers
         self.num_blocks_shared: int = 0  # handed-off blocks found in the local prefix cache instead
@@ -122,6 +123,7 @@ class DecodeWorker(WorkerBase):
         return {
             **super().counters(),
             "blocks_pulled": self.num_blocks_pulled,
+            "aborted": self.num_aborted,
             "blocks_shared": self.num_blocks_shared,
             "handoffs_waiting": len(self.waiting),
             "releases_pending": len(self.releasing),
@@ -160,14 +162,18 @@ class DecodeWorker(WorkerBase):
             self.timings[cmd.request_id] = Timings(arrival=cmd.timings.arrival, prefill_start=time.time())
 
     def _abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+        known = self.engine.abort(request_id) is not None
         self.timings.pop(request_id, None)
-        self.aborted[request_id] = None
-        while len(self.aborted) > RECENT_ABORTS:
-            self.aborted.popitem(last=False)
         for cmd in [c for c in self.waiting if c.request_id == request_id]:
             self.waiting.remove(cmd)
             self._release(cmd)
+            known = True
+        self.num_aborted += known
+        if known:  # NOTE: its handoff is here already; remembering the id would drop a later request reusing it
+            return
+        self.aborted[request_id] = None
+        while len(self.aborted) > RECENT_ABORTS:
+            self.aborted.popitem(last=False)
 
     def after_step(self) -> None:
         self._release_copied()
@@ -192,7 +198,9 @@ class DecodeWorker(WorkerBase):
     def _admit_waiting(self) -> None:
         while self.waiting:
             cmd = self.waiting[0]
-            if cmd.request_id in self.aborted:
+            if cmd.request_id in self.aborted:  # NOTE: the one handoff its abort raced; the id is free again
+                del self.aborted[cmd.request_id]
+                self.num_aborted += 1
                 self.waiting.popleft()
                 self._release(cmd)
                 continue

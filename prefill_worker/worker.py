@@ -85,6 +85,7 @@ class PrefillWorker(WorkerBase):
             ipc.connect_push(self.ctx, ipc.decode_addr(run_dir, j)) for j in range(num_decode)
         ]
         self.pending: dict[str, _Pending] = {}
+        self.num_aborted: int = 0  # requests finished with reason abort here, before their handoff
 
     def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
         layout = KVLayout.from_engine_config(self.cfg, num_blocks)
@@ -92,7 +93,8 @@ class PrefillWorker(WorkerBase):
         return self.kv_pool.tensor
 
     def counters(self) -> dict[str, int]:
-        return {**super().counters(), "leased_blocks": self.leases.num_leased_blocks, "leases": len(self.leases)}
+        leases = {"leased_blocks": self.leases.num_leased_blocks, "leases": len(self.leases)}
+        return {**super().counters(), **leases, "aborted": self.num_aborted}
 
     # --- messages -------------------------------------------------------------------------------------
     def handle(self, msg: Message) -> None:
@@ -103,7 +105,7 @@ class PrefillWorker(WorkerBase):
                 self.engine.release_blocks(self.leases.release([lease_id]))
         elif isinstance(msg, AbortCmd):
             if self.pending.pop(msg.request_id, None) is not None:
-                self.engine.abort(msg.request_id)
+                self.num_aborted += self.engine.abort(msg.request_id) is not None
         elif isinstance(msg, DecodeWorkerLostCmd):
             self.engine.release_blocks(self.leases.reclaim(msg.decode_worker))
         else:

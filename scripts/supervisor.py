@@ -4,7 +4,8 @@
 
 A crashed worker restarts with exponential backoff; the router learns of it from the new incarnation in
 its heartbeats and fails or re-routes what the old one held, and the prefill workers reclaim leases. One
-line is printed when the cluster serves; SIGTERM / SIGINT stop every process.
+line is printed when the cluster serves; SIGTERM / SIGINT stop the router first (it finishes
+streams in flight within --grace seconds and refuses new calls), then the workers.
 
 Why our own supervisor and not circus / supervisord: the roles need a per-cluster run directory for
 their ipc sockets and logs, a readiness line that depends on the router having seen every role, and
@@ -31,6 +32,8 @@ MAX_BACKOFF_S = 10.0
 STABLE_AFTER_S = 30.0
 STARTUP_ERROR_EXIT = 2
 """Exit code of a child that cannot start (bad flag, missing model, port in use): restarting cannot help."""
+STOP_MARGIN_S = 5.0
+"""Seconds a child gets past its own grace to exit on SIGTERM before it is killed."""
 
 
 @dataclass
@@ -87,7 +90,7 @@ def build_children(args: argparse.Namespace, run_dir: Path, extra: list[str]) ->
             "router",
             [py, "-m", "router", *common, "--port", str(args.port), "--bind", args.bind]
             + ["--prefill", str(args.prefill), "--decode", str(args.decode), "--routing", args.routing]
-            + ["--block-size", str(args.block_size)]
+            + ["--block-size", str(args.block_size), "--grace", str(args.grace)]
             + (["--conditional-disagg"] if args.conditional_disagg else []),
             logs / "router.log",
         )
@@ -132,8 +135,11 @@ class Mps:
 
 
 class Supervisor:
-    def __init__(self, children: list[Child], run_dir: Path, env: dict[str, str], mps: Mps | None = None) -> None:
+    def __init__(
+        self, children: list[Child], run_dir: Path, env: dict[str, str], grace: float, mps: Mps | None = None
+    ) -> None:
         self.children = children
+        self.grace = grace
         self.run_dir = run_dir
         self.env = env
         self.mps = mps
@@ -202,19 +208,28 @@ class Supervisor:
         self.stopping = True
 
     def _shutdown(self) -> None:
-        procs = [c.proc for c in self.children if c.proc is not None and c.proc.poll() is None]
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10.0
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        # NOTE: the router first: it refuses new calls and lets streams in flight finish within its grace,
+        # which needs the workers still up; only then are the workers stopped.
+        router, workers = self.children[0], self.children[1:]
+        _terminate([router], self.grace + STOP_MARGIN_S)
+        _terminate(workers, STOP_MARGIN_S)
         if self.mps is not None:
             self.mps.stop(self.env)
         print("pdserve: stopped", file=sys.stderr, flush=True)
+
+
+def _terminate(children: list[Child], timeout: float) -> None:
+    """SIGTERM the live ones, wait up to `timeout` seconds for all of them, then kill what is left."""
+    procs = [c.proc for c in children if c.proc is not None and c.proc.poll() is None]
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -240,6 +255,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help="no prefill workers: each decode worker prefills its own requests (the benchmarks' baseline)",
     )
     p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens) of every worker")
+    p.add_argument("--grace", type=float, default=5.0, help="router: seconds streams get to finish on SIGTERM")
     p.add_argument("--routing", choices=["prefix", "round_robin"], default="prefix", help="router: prefill choice")
     p.add_argument(
         "--conditional-disagg",
@@ -270,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.colocated and (args.mps == "on" or (args.mps == "auto" and args.device.startswith("cuda"))):
         prefill_share, decode_share = (int(x) for x in args.mps_split.split("/"))
         mps = Mps(run_dir, (prefill_share, decode_share))
-    return Supervisor(children, run_dir, env, mps).run(f"{args.bind}:{args.port}")
+    return Supervisor(children, run_dir, env, args.grace, mps).run(f"{args.bind}:{args.port}")
 
 
 if __name__ == "__main__":

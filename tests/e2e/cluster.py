@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +93,16 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+@contextlib.contextmanager
+def running(
+    model: Path, run_dir: Path, prefill: int, decode: int, *extra: str, device: str = "cpu"
+) -> Iterator[Cluster]:
+    """A cluster that is ready inside the block and stopped after it (module fixtures yield from this)."""
+    cluster = Cluster(model, run_dir, prefill, decode, *extra, device=device)
+    try:
+        cluster.wait_ready()
+        yield cluster
+    finally:
+        cluster.stop()

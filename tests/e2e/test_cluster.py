@@ -18,7 +18,7 @@ from core.engine import Engine
 from core.sampling_params import SamplingParams
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.e2e.cluster import Cluster
+from tests.e2e.cluster import Cluster, running
 from tests.hf_reference import hf_greedy, random_prompts
 
 NEW_TOKENS = 24
@@ -27,12 +27,8 @@ WORKER_FLAGS = ("--num-blocks", "256")
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tiny_llama_dir, tmp_path_factory.mktemp("run"), 1, 1, *WORKER_FLAGS)
-    try:
-        c.wait_ready()
+    with running(tiny_llama_dir, tmp_path_factory.mktemp("run"), 1, 1, *WORKER_FLAGS) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def greedy_request(prompt: list[int], max_tokens: int = NEW_TOKENS, **kw: Any) -> pb.GenerateRequest:

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from proto.pdserve.v1 import pdserve_pb2 as pb
-from tests.e2e.cluster import Cluster
+from tests.e2e.cluster import Cluster, running
 from tests.e2e.test_cluster import cancel_after, generate_all, stream, tokens_of
 from tests.hf_reference import hf_greedy, random_prompts
 
@@ -20,12 +20,8 @@ NEW_TOKENS = 16
 @pytest.fixture(scope="module")
 def colocated(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     flags = ("--colocated", "--num-blocks", "256", "--prefill-chunk-size", "32")
-    c = Cluster(tiny_llama_dir, tmp_path_factory.mktemp("run"), 1, 1, *flags)
-    try:
-        c.wait_ready()
+    with running(tiny_llama_dir, tmp_path_factory.mktemp("run"), 1, 1, *flags) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def blocks_back(cluster: Cluster) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.cluster import Cluster
+from tests.e2e.cluster import Cluster, running
 from tests.e2e.test_cluster import greedy_request, stream, tokens_of, wait_blocks_returned
 from tests.hf_reference import hf_greedy, random_prompts
 
@@ -20,12 +20,8 @@ EVENTS_S = 0.6
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     flags = ("--num-blocks", "256", "--conditional-disagg")
-    c = Cluster(tiny_llama_dir, tmp_path_factory.mktemp("run"), 2, 2, *flags)
-    try:
-        c.wait_ready()
+    with running(tiny_llama_dir, tmp_path_factory.mktemp("run"), 2, 2, *flags) as c:
         yield c
-    finally:
-        c.stop()
 
 
 def prefill_tokens(cluster: Cluster) -> list[int]:

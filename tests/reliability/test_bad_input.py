@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.e2e.cluster import Cluster
+from tests.e2e.cluster import Cluster, running
 from tests.e2e.test_cluster import greedy_request, wait_blocks_returned
 from tests.models import TINY_LLAMA_VOCAB_SIZE
 from tests.reliability.report import record
@@ -43,12 +43,8 @@ TABLE_OUTCOMES: dict[str, str | None] = {}
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tiny_llama_dir, tmp_path_factory.mktemp("run"), 1, 1, *WORKER_FLAGS)
-    try:
-        c.wait_ready()
+    with running(tiny_llama_dir, tmp_path_factory.mktemp("run"), 1, 1, *WORKER_FLAGS) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

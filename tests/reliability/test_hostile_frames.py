@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from core.messages import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, GenerateCmd, HandshakeEvent, Sampling, decode, encode
-from tests.e2e.cluster import Cluster
+from tests.e2e.cluster import Cluster, running
 from tests.e2e.test_cluster import greedy_request, stream, tokens_of, wait_blocks_returned
 from tests.reliability.report import record
 
@@ -28,12 +28,8 @@ Frame = list[bytes]
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tiny_llama_dir, tmp_path_factory.mktemp("run"), 1, 1, *WORKER_FLAGS)
-    try:
-        c.wait_ready()
+    with running(tiny_llama_dir, tmp_path_factory.mktemp("run"), 1, 1, *WORKER_FLAGS) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")
