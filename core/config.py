@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +26,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model's shape, read from a checkpoint's config.json through transformers' AutoConfig."""
+    """The model's shape, read from a checkpoint's config.json (core/hf_config.py)."""
 
     path: str
     """Folder with config.json (+ safetensors unless load_format is dummy)."""
@@ -69,9 +70,9 @@ class ModelConfig:
         cls, path: str | Path, dtype: str = "float32", load_format: LoadFormat = "auto", seed: int = 0
     ) -> ModelConfig:
         """Read config.json (and generation_config.json for eos ids) from a model folder."""
-        from transformers import AutoConfig
+        from core.hf_config import load_hf_config
 
-        hf = AutoConfig.from_pretrained(str(path))
+        hf = load_hf_config(path)
         return cls.from_hf_config(hf, str(path), dtype=dtype, load_format=load_format, seed=seed)
 
     @classmethod
@@ -124,16 +125,15 @@ def _eos_ids(hf: Any, path: str) -> tuple[int, ...]:
     """EOS ids from generation_config.json when present (it may list several), else config.json."""
     eos: Any = None
     try:
-        from transformers import GenerationConfig
-
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        generation = json.loads((Path(path) / "generation_config.json").read_text())
+        eos = generation.get("eos_token_id") if isinstance(generation, dict) else None
     except (OSError, ValueError):
         eos = None
     if eos is None:
         eos = getattr(hf, "eos_token_id", None)
     if eos is None:
         return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
 @dataclass(frozen=True)

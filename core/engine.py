@@ -112,11 +112,23 @@ class Engine:
     def num_forward_calls(self) -> int:
         return self.runner.num_forward_calls
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Queue a request; raises InvalidRequestError for a request that can never run."""
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, num_generated: int = 0
+    ) -> None:
+        """Queue a request; raises InvalidRequestError for a request that can never run.
+
+        num_generated > 0 resumes a request that moved here (request migration): the last num_generated of
+        prompt_token_ids are its tokens so far; they are computed like the prompt, count toward max_tokens
+        and min_tokens, and its outputs carry on at that index (a preempted request's recompute, in effect)."""
         self._validate(request_id, prompt_token_ids, params)
-        state = SamplingState(params=params, eos_token_ids=self.config.model.eos_token_ids)
-        req = Request(request_id, list(prompt_token_ids), len(prompt_token_ids), state)
+        if not 0 <= num_generated < min(len(prompt_token_ids), params.max_tokens):
+            raise InvalidRequestError(
+                f"num_generated {num_generated} for a {len(prompt_token_ids)}-token input and max_tokens "
+                f"{params.max_tokens}"
+            )
+        state = SamplingState(params, self.config.model.eos_token_ids, num_generated)
+        num_prompt = len(prompt_token_ids) - num_generated
+        req = Request(request_id, list(prompt_token_ids), num_prompt, state)
         self.requests[request_id] = req
         self.scheduler.add(req)
 

@@ -101,6 +101,8 @@ class ReleaseCmd:
     TAG: ClassVar[str] = "release"
     decode_worker: int
     lease_ids: list[int]
+    pool_id: str
+    """The pool the leases are of (HandoffCmd.pool_id): a restarted prefill worker's lease ids start over."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,8 @@ class HeartbeatEvent:
     num_running: int
     num_waiting: int
     counters: dict[str, int] = field(default_factory=dict)
+    layout: dict[str, Any] = field(default_factory=dict)
+    """The worker's KV layout fingerprint (kvtransfer/layout.py): the router serves with one layout only."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import signal
 import threading
 import uuid
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import zmq
 
@@ -45,6 +45,8 @@ def bad_fields(cmd: GenerateCmd) -> str | None:
         return f"{cmd.request_id}: sampling or timings is not a mapping"
     if not isinstance(cmd.token_ids, list) or not all(type(t) is int for t in cmd.token_ids):
         return f"{cmd.request_id}: token_ids is not a list of ints"
+    if type(cmd.sampling.num_generated) is not int:
+        return f"{cmd.request_id}: num_generated {cmd.sampling.num_generated!r}"
     return None
 
 
@@ -97,7 +99,8 @@ class WorkerBase:
             log.warning("dropped a bad GenerateCmd: %s", problem)
             return False
         try:
-            self.engine.add_request(cmd.request_id, cmd.token_ids, sampling_to_params(cmd.sampling))
+            params = sampling_to_params(cmd.sampling)
+            self.engine.add_request(cmd.request_id, cmd.token_ids, params, cmd.sampling.num_generated)
         except InvalidRequestError as exc:
             ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "INVALID_ARGUMENT", str(exc)))
             return False
@@ -130,7 +133,12 @@ class WorkerBase:
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             counters=self.counters(),
+            layout=self.layout_fingerprint(),
         )
+
+    def layout_fingerprint(self) -> dict[str, Any]:
+        """What must agree between every worker of a cluster (model, dtype, block size, heads, ...)."""
+        return {}
 
     def _heartbeat_loop(self) -> None:
         """Heartbeats from their own thread and socket, so a long forward pass never looks like a death.

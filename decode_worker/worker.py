@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict, deque
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import zmq
@@ -118,6 +118,9 @@ class DecodeWorker(WorkerBase):
         layout = KVLayout.from_engine_config(self.cfg, num_blocks)
         self.kv_pool = allocate_kv_pool(layout, torch.device(self.cfg.device), shared=False)
         return self.kv_pool.tensor
+
+    def layout_fingerprint(self) -> dict[str, Any]:
+        return self.layout.fingerprint()
 
     def counters(self) -> dict[str, int]:
         return {
@@ -253,7 +256,7 @@ class DecodeWorker(WorkerBase):
         return self.sink.pull(cmd.prefill_worker, dst.sources(cmd.block_ids), dst.dst)
 
     def _release(self, cmd: HandoffCmd, wait_ms: int = 200) -> None:
-        ipc.send(self.to_prefill[cmd.prefill_worker], ReleaseCmd(self.worker_id, [cmd.lease_id]), wait_ms)
+        ipc.send(self.to_prefill[cmd.prefill_worker], ReleaseCmd(self.worker_id, [cmd.lease_id], cmd.pool_id), wait_ms)
 
     def close(self) -> None:
         """Wait for the copies in flight (milliseconds) and release their leases before the sockets go; a
@@ -305,7 +308,7 @@ class DecodeWorker(WorkerBase):
         for out in self.engine.step():
             index = out.num_output_tokens - len(out.new_token_ids)
             timings = self.timings.pop(out.request_id, None)
-            if timings is not None and index == 0:  # NOTE: a GenerateCmd: this worker computed the first token
+            if timings is not None and not timings.prefill_end:  # NOTE: a GenerateCmd: this worker prefilled it
                 now = time.time()
                 timings = dataclasses.replace(timings, prefill_end=now, first_token=now, handoff_end=now)
             events.append(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import zmq
@@ -92,6 +92,9 @@ class PrefillWorker(WorkerBase):
         self.kv_pool = allocate_kv_pool(layout, torch.device(self.cfg.device), shared=self.transport == "shm")
         return self.kv_pool.tensor
 
+    def layout_fingerprint(self) -> dict[str, Any]:
+        return self.layout.fingerprint()
+
     def counters(self) -> dict[str, int]:
         leases = {"leased_blocks": self.leases.num_leased_blocks, "leases": len(self.leases)}
         return {**super().counters(), **leases, "aborted": self.num_aborted}
@@ -101,6 +104,9 @@ class PrefillWorker(WorkerBase):
         if isinstance(msg, GenerateCmd):
             self._generate(msg)
         elif isinstance(msg, ReleaseCmd):
+            if msg.pool_id != self.incarnation:  # NOTE: leases of our previous incarnation: gone with it
+                log.info("ignored a release of pool %r (ours is %r)", msg.pool_id, self.incarnation)
+                return
             for lease_id in msg.lease_ids:
                 self.engine.release_blocks(self.leases.release([lease_id]))
         elif isinstance(msg, AbortCmd):
@@ -157,7 +163,7 @@ class PrefillWorker(WorkerBase):
             self.to_router,
             TokenEvent(
                 out.request_id,
-                0,
+                out.num_output_tokens - len(out.new_token_ids),  # NOTE: > 0 for a migrated request
                 out.new_token_ids,
                 out.finish_reason,
                 out.num_prompt_tokens,

@@ -30,12 +30,20 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         help="a decode worker that holds all but a short tail of a prompt computes the tail itself",
     )
     p.add_argument("--local-prefill-threshold", type=int, default=64, help="longest such tail, tokens")
+    p.add_argument(
+        "--max-migrations", type=int, default=2, help="times a request of a lost worker moves to others (0: fail it)"
+    )
+    p.add_argument(
+        "--max-queued", type=int, default=1024, help="requests that may wait for KV room (more: RESOURCE_EXHAUSTED)"
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.prefill < 0 or args.decode < 1:
         p.error("--prefill must be >= 0 and --decode >= 1")
     if args.heartbeat_timeout <= 0:
         p.error("--heartbeat-timeout must be > 0")
+    if args.max_migrations < 0 or args.max_queued < 0:
+        p.error("--max-migrations and --max-queued must be >= 0")
     if args.max_queue_skew < 1 or args.local_prefill_threshold < 1:
         p.error("--max-queue-skew and --local-prefill-threshold must be >= 1")
     logging.basicConfig(
@@ -57,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         max_queue_skew=args.max_queue_skew,
         conditional_disagg=args.conditional_disagg,
         local_prefill_threshold=args.local_prefill_threshold,
+        max_migrations=args.max_migrations,
+        max_queued=args.max_queued,
     )
 
 

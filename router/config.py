@@ -39,6 +39,11 @@ class RouterConfig:
     """Send a request straight to its decode worker when that worker holds all but a short tail of the prompt."""
     local_prefill_threshold: int = 64
     """conditional_disagg: the longest uncached tail (tokens) a decode worker computes itself."""
+    max_queued: int = 1024
+    """Requests that may wait for KV room (router/admission.py); one more is refused RESOURCE_EXHAUSTED."""
+    max_migrations: int = 2
+    """Times a request whose worker was lost is sent again (prompt + tokens so far) to other workers; 0: it
+    fails UNAVAILABLE instead."""
 
     @property
     def colocated(self) -> bool:

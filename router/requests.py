@@ -1,4 +1,9 @@
-"""The router's in-flight requests: which workers hold each one, and the inbox its stream reads."""
+"""The router's in-flight requests: which workers hold each one, and the inbox its stream reads.
+
+A request can move (request migration): when a worker that holds it is lost, its stream sends it again as
+prompt + the tokens streamed so far to other workers. Each such attempt has its own worker-side request id
+(`worker_request_id`), so whatever the lost attempt's workers still send is dropped as unknown.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,20 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 
-from core.messages import RequestErrorEvent, TokenEvent
+from core.messages import RequestErrorEvent, Sampling, TokenEvent
 from router.routing import PrefillLoad
 
-InboxItem = TokenEvent | RequestErrorEvent
+
+@dataclass(frozen=True)
+class WorkerLost:
+    """Router-internal inbox item: a worker holding attempt `attempt` of the request went down or restarted."""
+
+    attempt: int
+    code: str
+    message: str
+
+
+InboxItem = TokenEvent | RequestErrorEvent | WorkerLost
 
 
 class DuplicateRequestError(ValueError):
@@ -19,28 +34,50 @@ class DuplicateRequestError(ValueError):
         super().__init__(f"request id {request_id!r} is already in flight")
 
 
+def attempt_id(request_id: str, attempt: int) -> str:
+    """The id workers know attempt `attempt` of a request by (the client's id for the first)."""
+    return request_id if attempt == 0 else f"{request_id}#migrated-{attempt}"
+
+
 @dataclass(eq=False)
 class TrackedRequest:
     """One in-flight request. NOTE: mutated only on the event loop thread."""
 
     request_id: str
+    prompt_ids: list[int]
+    sampling: Sampling
+    arrival: float
     prefill_worker: int
     decode_worker: int
     inbox: asyncio.Queue[InboxItem] = field(default_factory=asyncio.Queue)
     at_prefill: bool = True
-    """No token has arrived yet: the prefill worker still holds it."""
+    """No token of this attempt has arrived yet: its prefill worker still holds it."""
     prefill_tokens: int = 0
     """Prompt tokens the router expects its prefill worker to compute (uncached there at routing time)."""
+    attempt: int = 0
+    """0, then +1 per migration."""
+    reserved_blocks: int = 0
+    """KV blocks reserved for it at its decode worker (router/admission.py)."""
+    decode_started: bool = False
+    """A token of the current attempt came from its decode worker: the handoff is done."""
+    placed: bool = False
+    """Its current attempt is on workers (counted in the table)."""
+
+    @property
+    def worker_request_id(self) -> str:
+        return attempt_id(self.request_id, self.attempt)
 
 
 class RequestTable:
-    """Request id -> TrackedRequest, plus per-worker counts for dispatch."""
+    """Request id -> TrackedRequest (and worker-side id -> the same), plus per-worker counts for dispatch."""
 
     def __init__(self) -> None:
         self.requests: dict[str, TrackedRequest] = {}
+        self.by_worker_id: dict[str, TrackedRequest] = {}
         self.num_at_prefill: Counter[int] = Counter()
         self.num_at_decode: Counter[int] = Counter()
         self.tokens_at_prefill: Counter[int] = Counter()
+        self.reserved_at_decode: Counter[int] = Counter()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -51,15 +88,40 @@ class RequestTable:
     def get(self, request_id: str) -> TrackedRequest | None:
         return self.requests.get(request_id)
 
-    def open(self, request_id: str, prefill_worker: int, decode_worker: int, prefill_tokens: int = 0) -> TrackedRequest:
+    def by_worker(self, worker_request_id: str) -> TrackedRequest | None:
+        """The request whose current attempt workers know by this id (None for a lost attempt's id)."""
+        return self.by_worker_id.get(worker_request_id)
+
+    def open(self, request_id: str, prompt_ids: list[int], sampling: Sampling, arrival: float) -> TrackedRequest:
+        """A new request, on no worker yet (place it)."""
         if request_id in self.requests:
             raise DuplicateRequestError(request_id)
-        req = TrackedRequest(request_id, prefill_worker, decode_worker, prefill_tokens=prefill_tokens)
+        req = TrackedRequest(request_id, prompt_ids, sampling, arrival, -1, -1, at_prefill=False)
         self.requests[request_id] = req
+        return req
+
+    def place(
+        self, req: TrackedRequest, prefill_worker: int, decode_worker: int, prefill_tokens: int = 0,
+        reserved_blocks: int = 0,
+    ) -> None:  # fmt: skip
+        """Put req's current attempt on these workers (unplace it first if it is on others)."""
+        req.prefill_worker, req.decode_worker, req.prefill_tokens = prefill_worker, decode_worker, prefill_tokens
+        req.at_prefill, req.reserved_blocks, req.placed, req.decode_started = True, reserved_blocks, True, False
+        self.by_worker_id[req.worker_request_id] = req
         self.num_at_prefill[prefill_worker] += 1
         self.tokens_at_prefill[prefill_worker] += prefill_tokens
         self.num_at_decode[decode_worker] += 1
-        return req
+        self.reserved_at_decode[decode_worker] += reserved_blocks
+
+    def unplace(self, req: TrackedRequest) -> None:
+        """Take req's current attempt off its workers' counts (it is lost, or it ended); once only."""
+        if not req.placed:
+            return
+        req.placed = False
+        self.by_worker_id.pop(req.worker_request_id, None)
+        self.mark_past_prefill(req)
+        self.num_at_decode[req.decode_worker] -= 1
+        self.reserved_at_decode[req.decode_worker] -= req.reserved_blocks
 
     def mark_past_prefill(self, req: TrackedRequest) -> None:
         if req.at_prefill:
@@ -69,18 +131,17 @@ class RequestTable:
 
     def close(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
-        if req is None:
-            return
-        self.mark_past_prefill(req)
-        self.num_at_decode[req.decode_worker] -= 1
+        if req is not None:
+            self.unplace(req)
 
     def prefill_load(self) -> dict[int, PrefillLoad]:
         """Per prefill worker: prompt tokens to compute and requests not past prefill (the router's own count)."""
         return {w: PrefillLoad(self.tokens_at_prefill[w], n) for w, n in self.num_at_prefill.items()}
 
-    def at_prefill(self, worker: int) -> list[TrackedRequest]:
-        """Requests prefill worker `worker` holds (no token seen yet)."""
-        return [r for r in self.requests.values() if r.at_prefill and r.prefill_worker == worker]
+    def awaiting_prefill(self, worker: int) -> list[TrackedRequest]:
+        """Requests that still need prefill worker `worker`: not prefilled yet, or prefilled and their handoff
+        not confirmed by a token from the decode worker (the HandoffCmd may have died with the worker)."""
+        return [r for r in self.requests.values() if r.prefill_worker == worker and not r.decode_started]
 
     def at_decode(self, worker: int) -> list[TrackedRequest]:
         """Requests assigned to decode worker `worker`, whether or not their handoff happened yet."""

@@ -18,10 +18,11 @@ from grpc_reflection.v1alpha import reflection
 from core.messages import MAX_MESSAGE_BYTES, RequestErrorEvent
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router.admission import QueueFullError
 from router.config import RouterConfig
 from router.dispatch import NoWorkerError
 from router.model_info import ModelSpec
-from router.requests import DuplicateRequestError, TrackedRequest
+from router.requests import DuplicateRequestError, TrackedRequest, WorkerLost
 from router.stream import ResponseBuilder, TokenReorderer, merge
 from router.tokenizer import RouterTokenizer
 from router.validation import RequestValidator, ValidationError
@@ -34,13 +35,29 @@ REFUSALS: dict[type[Exception], grpc.StatusCode] = {
     ValidationError: grpc.StatusCode.INVALID_ARGUMENT,
     DuplicateRequestError: grpc.StatusCode.ALREADY_EXISTS,
     NoWorkerError: grpc.StatusCode.UNAVAILABLE,
+    QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+PENDING_CALL_LIMITS = [
+    ("grpc.server.max_pending_requests", 16384),
+    ("grpc.server.max_pending_requests_hard_limit", 32768),
+]
+"""Calls gRPC core accepts before the Python side picks them up (defaults 1000 / 3000): past them a burst's
+extra calls are cancelled with no status the client can act on; these let them reach admission control
+(router/admission.py), which queues or refuses them RESOURCE_EXHAUSTED."""
+MIGRATION_WAIT_S = 2.5
+"""How long a request whose worker was lost waits for one to take it (e.g. its only decode worker, restarting);
+with the heartbeat timeout (2 s) a stream that cannot move ends UNAVAILABLE within 5 s of the crash."""
+MIGRATION_POLL_S = 0.05
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Validates, dispatches through the WorkerHub and streams each request's tokens back."""
 
-    def __init__(self, model: ModelSpec, tokenizer: RouterTokenizer, hub: WorkerHub, block_size: int | None) -> None:
+    def __init__(
+        self, model: ModelSpec, tokenizer: RouterTokenizer, hub: WorkerHub, block_size: int | None,
+        max_migrations: int = 0,
+    ) -> None:  # fmt: skip
+        self.max_migrations = max_migrations
         self.model = model
         self.tokenizer = tokenizer
         self.validator = RequestValidator(model, tokenizer)
@@ -68,8 +85,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 valid = self.validator.validate(request)
             else:
                 valid = await asyncio.to_thread(self.validator.validate, request)
-            req = self.hub.submit(request_id, valid.token_ids, valid.sampling, arrival)
-        except (ValidationError, DuplicateRequestError, NoWorkerError) as exc:
+            req = await self.hub.admit(request_id, valid.token_ids, valid.sampling, arrival)
+        except (ValidationError, DuplicateRequestError, NoWorkerError, QueueFullError) as exc:
             await context.abort(REFUSALS[type(exc)], str(exc))
             return
         builder = ResponseBuilder(request_id, valid.token_ids, valid.sampling, valid.stop, self.tokenizer, arrival)
@@ -85,20 +102,49 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _stream(
         self, req: TrackedRequest, builder: ResponseBuilder, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """One response per wake-up: everything that arrived meanwhile goes out together (see stream.merge)."""
+        """One response per wake-up: everything that arrived meanwhile goes out together (see stream.merge).
+        A lost worker or a failed KV transfer moves the request to other workers (migrate) when it may."""
         reorderer = TokenReorderer()
+        generated: list[int] = []
         while not builder.finished:
             items = [await req.inbox.get()]
             while not req.inbox.empty():
                 items.append(req.inbox.get_nowait())
             events = []
             for item in items:
-                if isinstance(item, RequestErrorEvent):
+                if isinstance(item, WorkerLost) and item.attempt != req.attempt:
+                    continue  # NOTE: a second loss of an attempt already left behind
+                if isinstance(item, (WorkerLost, RequestErrorEvent)):
+                    if await self._migrate(req, item, generated):
+                        continue
                     await context.abort(_status_code(item.code), item.message)
                     return
-                events += reorderer.push(item)
+                new = reorderer.push(item)
+                for event in new:
+                    generated += event.token_ids
+                events += new
             if events:
                 yield builder.build(merge(events), time.time())
+
+    async def _migrate(
+        self, req: TrackedRequest, failure: WorkerLost | RequestErrorEvent, generated: list[int]
+    ) -> bool:
+        """Send req again (prompt + generated) to workers that are up, waiting up to MIGRATION_WAIT_S for one;
+        False when it may not move (migration off, retries used up, not a worker failure) or none came up."""
+        if failure.code != "UNAVAILABLE" or req.attempt >= self.max_migrations:
+            return False
+        deadline = time.monotonic() + MIGRATION_WAIT_S
+        while True:
+            try:
+                self.hub.migrate(req, generated)
+            except NoWorkerError:
+                if time.monotonic() >= deadline:
+                    return False
+                await asyncio.sleep(MIGRATION_POLL_S)
+                continue
+            what = f"{failure.message}; migrated with {len(generated)} tokens (attempt {req.attempt})"
+            log.info("%s: %s", req.request_id, what)
+            return True
 
 
 class RouterServer:
@@ -109,9 +155,9 @@ class RouterServer:
         model = ModelSpec.from_dir(cfg.model_dir)
         tokenizer = RouterTokenizer.from_dir(cfg.model_dir)
         self.hub = WorkerHub(cfg)
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *PENDING_CALL_LIMITS]
         self.server = grpc.aio.server(options=options)
-        servicer = GenerationServicer(model, tokenizer, self.hub, cfg.block_size)
+        servicer = GenerationServicer(model, tokenizer, self.hub, cfg.block_size, cfg.max_migrations)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

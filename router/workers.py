@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import zmq
 import zmq.asyncio
@@ -46,10 +47,11 @@ from core.messages import (
     TokenEvent,
     decode,
 )
+from router.admission import AdmissionQueue, NoRoomError, blocks_needed
 from router.config import RouterConfig
-from router.dispatch import COLOCATED, ClusterView, Dispatcher, NoWorkerError
+from router.dispatch import COLOCATED, Assignment, ClusterView, Dispatcher, NoWorkerError
 from router.prefix_index import PrefixIndex, WorkerKey
-from router.requests import DuplicateRequestError, RequestTable, TrackedRequest
+from router.requests import DuplicateRequestError, RequestTable, TrackedRequest, WorkerLost, attempt_id
 
 log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
@@ -68,6 +70,11 @@ class WorkerState:
     incarnation: str = ""
     last_seen: float = 0.0
     num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+
+class LayoutMismatch(ValueError):
+    """A worker's KV layout differs from the cluster's: its blocks cannot be handed to or from the others."""
 
 
 class Change(NamedTuple):
@@ -79,26 +86,52 @@ class Change(NamedTuple):
 class Liveness:
     """Up/down state of every expected worker, driven by heartbeats and a clock."""
 
-    def __init__(self, num_prefill: int, num_decode: int, timeout: float) -> None:
+    def __init__(
+        self, num_prefill: int, num_decode: int, timeout: float, expected_layout: dict[str, Any] | None = None
+    ) -> None:
         self.timeout = timeout
+        self.expected_layout = expected_layout or {}
+        """Fields of the KV layout fingerprint the router was configured with (the block size)."""
+        self.layout: dict[str, Any] | None = None
+        """The cluster's KV layout fingerprint: the first one a worker reported that has the expected fields."""
         self.workers: dict[Role, list[WorkerState]] = {
             "prefill": [WorkerState("prefill", i) for i in range(num_prefill)],
             "decode": [WorkerState("decode", j) for j in range(num_decode)],
         }
 
     def observe(self, hb: HeartbeatEvent, now: float) -> list[Change]:
-        """Record a heartbeat; ValueError for a role or worker id this cluster does not have."""
+        """Record a heartbeat; ValueError for a role or worker id this cluster does not have, and
+        LayoutMismatch for a worker whose KV layout differs from the cluster's (it never counts as up)."""
         states = self.workers.get(hb.role)  # type: ignore[call-overload]
         if states is None or not 0 <= hb.worker_id < len(states):
             raise ValueError(f"heartbeat from unknown worker {hb.role!r} {hb.worker_id}")
         st: WorkerState = states[hb.worker_id]
+        self._check_layout(hb)
         changes = []
         if not st.up:
             changes.append(Change(st.role, st.worker_id, "up"))
         elif st.incarnation != hb.incarnation:
             changes.append(Change(st.role, st.worker_id, "restarted"))
-        st.up, st.incarnation, st.last_seen, st.num_free_blocks = True, hb.incarnation, now, hb.num_free_blocks
+        st.up, st.incarnation, st.last_seen = True, hb.incarnation, now
+        st.num_free_blocks, st.num_total_blocks = hb.num_free_blocks, hb.num_total_blocks
         return changes
+
+    def _check_layout(self, hb: HeartbeatEvent) -> None:
+        """The cluster's layout is the first one heard that has the expected fields (the configured block
+        size); every other worker must report the same. NOTE: a worker that reports none passes."""
+        if not isinstance(hb.layout, dict) or not hb.layout:
+            return
+        reference = self.layout or self.expected_layout
+        keys = set(reference) | (set(hb.layout) if self.layout else set())
+        diffs = [
+            f"{k} {reference.get(k)} != {hb.layout.get(k)}"
+            for k in sorted(keys)
+            if reference.get(k) != hb.layout.get(k)
+        ]
+        if diffs:
+            raise LayoutMismatch(f"{hb.role} worker {hb.worker_id} has another KV layout: " + "; ".join(diffs))
+        if self.layout is None:
+            self.layout = hb.layout
 
     def expire(self, now: float) -> list[Change]:
         """Mark down every up worker silent for longer than the timeout."""
@@ -118,6 +151,9 @@ class Liveness:
     def free_blocks(self, role: Role) -> dict[int, int]:
         return {st.worker_id: st.num_free_blocks for st in self.workers[role]}
 
+    def total_blocks(self, role: Role) -> dict[int, int]:
+        return {st.worker_id: st.num_total_blocks for st in self.workers[role]}
+
     @property
     def serving(self) -> bool:
         """At least one prefill (if the cluster has any) and one decode worker are up."""
@@ -134,14 +170,18 @@ class WorkerHub:
         self.inbox = _bind_pull(self.actx, ipc.router_addr(cfg.run_dir))
         self.to_prefill = [ipc.connect_push(self.ctx, ipc.prefill_addr(cfg.run_dir, i)) for i in range(cfg.num_prefill)]
         self.to_decode = [ipc.connect_push(self.ctx, ipc.decode_addr(cfg.run_dir, j)) for j in range(cfg.num_decode)]
-        self.liveness = Liveness(cfg.num_prefill, cfg.num_decode, cfg.heartbeat_timeout)
+        expected = {"block_size": cfg.block_size} if cfg.block_size else {}
+        self.liveness = Liveness(cfg.num_prefill, cfg.num_decode, cfg.heartbeat_timeout, expected)
         self.kv_events = _connect_sub(
             self.actx, [ipc.kv_events_addr(cfg.run_dir, st.role, st.worker_id) for st in self.liveness.all_workers()]
         )
         self.prefix_index = PrefixIndex()
         self.dispatcher = Dispatcher(cfg, self.prefix_index)
+        self._refused: dict[tuple[str, int], str] = {}  # (role, worker) -> incarnation refused for its layout
         self._snapshot_asked: dict[WorkerKey, float] = {}  # when each out-of-sync worker was last asked
         self.table = RequestTable()
+        self.admission = AdmissionQueue(cfg.max_queued)
+        self.num_migrations = 0
         self.serving = asyncio.Event()
         self.listeners: list[Callable[[bool], None]] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -164,40 +204,128 @@ class WorkerHub:
         self.ctx.destroy(linger=0)
 
     # --- requests -------------------------------------------------------------------------------------
-    def submit(self, request_id: str, token_ids: list[int], sampling: Sampling, arrival: float) -> TrackedRequest:
-        """Pick the workers and send GenerateCmd; DuplicateRequestError / NoWorkerError when that is impossible."""
+    async def admit(self, request_id: str, token_ids: list[int], sampling: Sampling, arrival: float) -> TrackedRequest:
+        """submit() once a decode worker has KV room for the request, waiting in the admission queue (FIFO)
+        until then; QueueFullError when the queue is full, DuplicateRequestError / NoWorkerError as submit."""
         if request_id in self.table:
             raise DuplicateRequestError(request_id)
-        live, table = self.liveness, self.table
-        view = ClusterView(
-            live.up("prefill"), live.up("decode"), table.prefill_load(), table.num_at_decode, live.free_blocks("decode")
-        )
-        workers = self.dispatcher.assign(request_id, token_ids, view)
-        req = table.open(request_id, workers.prefill_worker, workers.decode_worker, workers.prefill_tokens)
-        cmd = GenerateCmd(request_id, token_ids, sampling, workers.decode_worker, Timings(arrival=arrival))
-        target, name = self._first_worker(workers.prefill_worker, workers.decode_worker)
-        if not ipc.send(target, cmd):
-            self.release(request_id)
-            raise NoWorkerError(f"{name} is not reachable")
-        return req
+        at_head = False
+        if not self.admission:
+            try:
+                return self.submit(request_id, token_ids, sampling, arrival)
+            except NoRoomError:
+                pass
+        while True:
+            await self.admission.wait_turn(at_head)
+            try:
+                req = self.submit(request_id, token_ids, sampling, arrival)
+            except NoRoomError:
+                at_head = True
+                continue
+            except BaseException:
+                self.admission.notify()  # NOTE: the turn it had goes to the next one
+                raise
+            self.admission.notify()  # NOTE: there may be room for the next one too
+            return req
 
-    def _first_worker(self, prefill: int, decode: int) -> tuple[zmq.Socket, str]:
-        """Where GenerateCmd goes: the prefill worker, or in colocated mode the decode worker."""
-        if prefill == COLOCATED:
-            return self.to_decode[decode], f"decode worker {decode}"
-        return self.to_prefill[prefill], f"prefill worker {prefill}"
+    def submit(self, request_id: str, token_ids: list[int], sampling: Sampling, arrival: float) -> TrackedRequest:
+        """Pick workers with room and send GenerateCmd; DuplicateRequestError / NoWorkerError / NoRoomError when
+        that is impossible now."""
+        if request_id in self.table:
+            raise DuplicateRequestError(request_id)
+        need = self._blocks_needed(len(token_ids), sampling.max_tokens)
+        while True:  # NOTE: ends: every failed send takes a worker out until its next heartbeat
+            workers = self._assign(request_id, token_ids, need)
+            req = self.table.open(request_id, token_ids, sampling, arrival)
+            self._place(req, workers, need)
+            if self._send_generate(req, token_ids, sampling):
+                return req
+            self.release(request_id)
+            self._unreachable(req)
+
+    def migrate(self, req: TrackedRequest, generated: list[int]) -> None:
+        """Start req again on workers that are up: prompt + `generated` (the tokens streamed so far) as the
+        prompt, their count as num_generated, so sampling (seeded ones included) and the token indexes carry
+        on where they stopped. The lost attempt is aborted wherever it may still be. It was admitted already:
+        its KV reservation moves along without a room check. NoWorkerError when a role has no worker up or
+        the new first worker cannot be reached."""
+        self.abort(req)
+        self.dispatcher.forget(req.worker_request_id)
+        token_ids = req.prompt_ids + generated
+        workers = self._assign(attempt_id(req.request_id, req.attempt + 1), token_ids, 0)
+        self.table.unplace(req)
+        req.attempt += 1
+        self._place(req, workers, self._blocks_needed(len(req.prompt_ids), req.sampling.max_tokens))
+        self.num_migrations += 1
+        sampling = dataclasses.replace(req.sampling, num_generated=len(generated))
+        if not self._send_generate(req, token_ids, sampling):
+            self.table.unplace(req)
+            self._unreachable(req)
+            raise NoWorkerError(f"{self._first_worker_name(req)} is not reachable")
+
+    def _unreachable(self, req: TrackedRequest) -> None:
+        """The worker req's GenerateCmd went to took no connection (a PUSH with IMMEDIATE fails only without
+        one): it is dead, whatever its last heartbeat said; down until it heartbeats again."""
+        role: Role = "decode" if req.prefill_worker == COLOCATED else "prefill"
+        worker = req.decode_worker if role == "decode" else req.prefill_worker
+        st = self.liveness.workers[role][worker]
+        if st.up:
+            st.up = False
+            self._apply([Change(role, worker, "down")])
+
+    def _blocks_needed(self, num_tokens: int, max_tokens: int) -> int:
+        """KV blocks to reserve at a decode worker; 0 (no admission limit) while the block size is unknown."""
+        block_size = self.kv_block_size("decode")
+        return blocks_needed(num_tokens, max_tokens, block_size) if block_size else 0
+
+    def _assign(self, worker_request_id: str, token_ids: list[int], need: int) -> Assignment:
+        """Workers for a request that needs `need` KV blocks at its decode worker (0: no room check)."""
+        live, table = self.liveness, self.table
+        decode_up = live.up("decode")
+        if need:
+            total = live.total_blocks("decode")
+            decode_up = [j for j in decode_up if table.reserved_at_decode[j] + min(need, total[j]) <= total[j]]
+            if not decode_up and live.up("decode"):
+                raise NoRoomError("no decode worker has KV room for the request now")
+        view = ClusterView(
+            live.up("prefill"), decode_up, table.prefill_load(), table.num_at_decode, live.free_blocks("decode")
+        )
+        return self.dispatcher.assign(worker_request_id, token_ids, view)
+
+    def _place(self, req: TrackedRequest, workers: Assignment, need: int) -> None:
+        total = self.liveness.total_blocks("decode").get(workers.decode_worker, 0)
+        reserved = min(need, total) if total else need
+        self.table.place(req, workers.prefill_worker, workers.decode_worker, workers.prefill_tokens, reserved)
+
+    def _send_generate(self, req: TrackedRequest, token_ids: list[int], sampling: Sampling) -> bool:
+        """GenerateCmd for req's current attempt to its prefill worker (colocated: its decode worker)."""
+        cmd = GenerateCmd(req.worker_request_id, token_ids, sampling, req.decode_worker, Timings(arrival=req.arrival))
+        if req.prefill_worker == COLOCATED:
+            return ipc.send(self.to_decode[req.decode_worker], cmd)
+        return ipc.send(self.to_prefill[req.prefill_worker], cmd)
+
+    @staticmethod
+    def _first_worker_name(req: TrackedRequest) -> str:
+        if req.prefill_worker == COLOCATED:
+            return f"decode worker {req.decode_worker}"
+        return f"prefill worker {req.prefill_worker}"
 
     def abort(self, req: TrackedRequest) -> None:
-        """Tell both workers of req to drop it (harmless if either already has)."""
+        """Tell both workers of req's current attempt to drop it (harmless if either already has; wait_ms=0:
+        one of them may be dead)."""
         if self.closed:  # NOTE: streams cancelled at shutdown finish after the sockets are gone
             return
+        cmd = AbortCmd(req.worker_request_id)
         if req.prefill_worker != COLOCATED:
-            ipc.send(self.to_prefill[req.prefill_worker], AbortCmd(req.request_id))
-        ipc.send(self.to_decode[req.decode_worker], AbortCmd(req.request_id))
+            ipc.send(self.to_prefill[req.prefill_worker], cmd, wait_ms=0)
+        ipc.send(self.to_decode[req.decode_worker], cmd, wait_ms=0)
 
     def release(self, request_id: str) -> None:
+        req = self.table.get(request_id)
+        if req is not None:
+            self.dispatcher.forget(req.worker_request_id)
         self.table.close(request_id)
-        self.dispatcher.forget(request_id)
+        self.admission.notify()  # NOTE: its KV reservation is free
 
     # --- inbox ----------------------------------------------------------------------------------------
     async def _receive(self) -> None:
@@ -227,18 +355,26 @@ class WorkerHub:
             log.warning("router ignores %s", type(msg).__name__)
 
     def _deliver(self, msg: TokenEvent | RequestErrorEvent) -> None:
-        req = self.table.get(msg.request_id)
-        if req is None:
+        req = self.table.by_worker(msg.request_id)
+        if req is None:  # NOTE: also what a lost attempt's workers still send
             log.debug("dropped %s for unknown request %s", type(msg).__name__, msg.request_id)
             return
-        if isinstance(msg, TokenEvent) and req.at_prefill:
-            self.table.mark_past_prefill(req)
-            self.dispatcher.forget(req.request_id)
+        if isinstance(msg, TokenEvent):
+            if req.at_prefill:
+                self.table.mark_past_prefill(req)
+                self.dispatcher.forget(req.worker_request_id)
+            elif req.prefill_worker != COLOCATED:
+                req.decode_started = True
         req.inbox.put_nowait(msg)
 
     def _heartbeat(self, hb: HeartbeatEvent) -> None:
         try:
             changes = self.liveness.observe(hb, time.monotonic())
+        except LayoutMismatch as exc:
+            if self._refused.get((hb.role, hb.worker_id)) != hb.incarnation:  # NOTE: one line per process
+                self._refused[(hb.role, hb.worker_id)] = hb.incarnation
+                log.error("refused %s", exc)
+            return
         except ValueError as exc:
             log.warning("dropped a heartbeat: %s", exc)
             return
@@ -320,6 +456,8 @@ class WorkerHub:
             log.info("%s worker %d is %s", change.role, change.worker_id, change.kind)
             if change.kind != "up":
                 self._lost(change.role, change.worker_id, "went down" if change.kind == "down" else "restarted")
+            else:
+                self.admission.notify()  # NOTE: its KV is room for the queue
             self._kv_change(change)
         serving = self.liveness.serving
         if serving != self.serving.is_set():
@@ -342,9 +480,9 @@ class WorkerHub:
             self._ask_snapshot(key, time.monotonic())
 
     def _lost(self, role: Role, worker: int, what: str) -> None:
-        reqs = self.table.at_decode(worker) if role == "decode" else self.table.at_prefill(worker)
+        reqs = self.table.at_decode(worker) if role == "decode" else self.table.awaiting_prefill(worker)
         for req in reqs:
-            req.inbox.put_nowait(RequestErrorEvent(req.request_id, "UNAVAILABLE", f"{role} worker {worker} {what}"))
+            req.inbox.put_nowait(WorkerLost(req.attempt, "UNAVAILABLE", f"{role} worker {worker} {what}"))
         if role == "decode":
             for sock in self.to_prefill:
                 ipc.send(sock, DecodeWorkerLostCmd(worker))

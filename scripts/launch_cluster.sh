@@ -2,10 +2,15 @@
 # Starts a pdserve cluster: router + N prefill + M decode workers under per-role supervision.
 #   scripts/launch_cluster.sh [--model DIR] [--prefill N] [--decode M] [--device cuda|cpu] [--port P] [worker flags...]
 #   scripts/launch_cluster.sh --colocated [--decode M] ...   one process per GPU share doing prefill and decode
+#   scripts/launch_cluster.sh status [--run-dir DIR] [--json]   the processes of a running cluster (pdserve-status)
 # On a fresh machine it first creates .venv, installs pdserve and converts the bundled SmolLM2-135M-Instruct.
 # Prints one line when the cluster serves; Ctrl-C / SIGTERM stops every process.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [ "${1:-}" = status ]; then  # NOTE: before setup: a cluster that runs has its .venv; router.status is stdlib only
+  shift
+  exec env PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$root/.venv/bin/python" -m router.status "$@"
+fi
 bash "$root/scripts/setup_env.sh" >&2
 py="$root/.venv/bin/python"
 model=""

@@ -91,6 +91,7 @@ def build_children(args: argparse.Namespace, run_dir: Path, extra: list[str]) ->
             [py, "-m", "router", *common, "--port", str(args.port), "--bind", args.bind]
             + ["--prefill", str(args.prefill), "--decode", str(args.decode), "--routing", args.routing]
             + ["--block-size", str(args.block_size), "--grace", str(args.grace)]
+            + ["--max-migrations", str(args.max_migrations), "--max-queued", str(args.max_queued)]
             + (["--conditional-disagg"] if args.conditional_disagg else []),
             logs / "router.log",
         )
@@ -261,6 +262,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         "--conditional-disagg",
         action="store_true",
         help="router: a decode worker holding all but a short prompt tail (<= 64 tokens) computes it itself",
+    )
+    p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=2,
+        help="router: times a request of a crashed worker is resumed on another (prompt + tokens so far; 0: fail)",
+    )
+    p.add_argument(
+        "--max-queued", type=int, default=1024, help="router: requests that may wait for KV room (more: refused)"
     )
     args, extra = p.parse_known_args(argv)
     if args.transport is None:

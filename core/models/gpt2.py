@@ -5,16 +5,14 @@ Checkpoints store Conv1D weights as [in, out]; they are transposed into nn.Linea
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
 from core.config import ModelConfig
+from core.models.activations import activation
 from core.models.layers import VocabEmbedding
 from core.models.loading import copy_weights
 from kernels.attention import AttentionBackend, AttentionMetadata
@@ -37,13 +35,6 @@ class GPT2Attention(nn.Module):
         q, k, v = self.c_attn(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.c_proj(out.reshape(-1, self.num_heads * self.head_dim))
-
-
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    """HF's activation by name; the tanh-approximate GELU as one fused kernel (HF's gelu_new takes ~7)."""
-    if name in ("gelu_new", "gelu_pytorch_tanh"):
-        return functools.partial(F.gelu, approximate="tanh")
-    return ACT2FN[name]  # type: ignore[no-any-return]
 
 
 class GPT2MLP(nn.Module):

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from core.config import ModelConfig
+from core.models.activations import activation
 from core.models.layers import MergedLinear, VocabEmbedding
 from core.models.loading import copy_weights
 from core.models.rope import RotaryEmbedding
@@ -81,7 +81,7 @@ class LlamaMLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
-        self.act = ACT2FN[hf.hidden_act]
+        self.act = activation(hf.hidden_act)
         self.fused_silu = hf.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -96,9 +96,9 @@ def prefill_frames() -> list[Frame]:
         pack(v, "generate", generate_fields(request_id="hostile-d", decode_worker=7)),
         pack(v, "generate", generate_fields(request_id="hostile-s", sampling={"max_tokens": "many"})),
         pack(v, "generate", generate_fields(request_id="hostile-s2", sampling="not sampling")),
-        pack(v, "release", {"decode_worker": 0, "lease_ids": [123456, -1]}),
-        pack(v, "release", {"decode_worker": 0, "lease_ids": 5}),
-        pack(v, "release", {"decode_worker": 0, "lease_ids": "abc"}),
+        pack(v, "release", {"decode_worker": 0, "lease_ids": [123456, -1], "pool_id": "x"}),
+        pack(v, "release", {"decode_worker": 0, "lease_ids": 5, "pool_id": "x"}),
+        pack(v, "release", {"decode_worker": 0, "lease_ids": "abc", "pool_id": "x"}),
         pack(v, "abort", {"request_id": ["unhashable"]}),
         pack(v, "decode_lost", {"decode_worker": 42}),
         pack(v, "handoff", handoff_fields()),
@@ -116,7 +116,7 @@ def decode_frames() -> list[Frame]:
         pack(v, "handoff", handoff_fields(request_id="hostile-h6", block_ids="abc")),
         pack(v, "generate", generate_fields(token_ids="not a list")),
         pack(v, "generate", generate_fields(request_id="hostile-gt", timings="not timings")),
-        pack(v, "release", {"decode_worker": 0, "lease_ids": [1]}),
+        pack(v, "release", {"decode_worker": 0, "lease_ids": [1], "pool_id": "x"}),
         pack(v, "abort", {"request_id": ["unhashable"]}),
     ]
 

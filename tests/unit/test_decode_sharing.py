@@ -218,7 +218,7 @@ def test_decode_worker_pulls_only_the_blocks_it_does_not_hold(harness: Harness) 
     assert (worker.counters()["blocks_pulled"], worker.counters()["blocks_shared"]) == (4, 0)
     worker.handle(handoff("b", 2, PROMPT_B, [12, 13, 14, 9]))
     assert (worker.counters()["blocks_pulled"], worker.counters()["blocks_shared"]) == (5, 3)
-    assert received(harness.prefill, 2) == [ReleaseCmd(0, [1]), ReleaseCmd(0, [2])]
+    assert received(harness.prefill, 2) == [ReleaseCmd(0, [1], POOL_ID), ReleaseCmd(0, [2], POOL_ID)]
     blocks_a, blocks_b = worker.engine.requests["a"].block_ids, worker.engine.requests["b"].block_ids
     assert blocks_b[:3] == blocks_a[:3] and blocks_b[3] not in blocks_a
     assert worker.kv_pool is not None
@@ -233,7 +233,7 @@ def test_fully_shared_handoff_pulls_nothing_and_releases_its_lease_at_once(harne
     worker.handle(handoff("c", 2, PROMPT_C, [12, 13, 14]))
     assert sink.pulls == [] and worker.counters()["releases_pending"] == 0
     assert (worker.counters()["blocks_pulled"], worker.counters()["blocks_shared"]) == (4, 3)
-    assert received(harness.prefill, 2) == [ReleaseCmd(0, [1]), ReleaseCmd(0, [2])]
+    assert received(harness.prefill, 2) == [ReleaseCmd(0, [1], POOL_ID), ReleaseCmd(0, [2], POOL_ID)]
 
 
 def test_failed_pull_caches_none_of_the_request_blocks(harness: Harness) -> None:
@@ -243,7 +243,7 @@ def test_failed_pull_caches_none_of_the_request_blocks(harness: Harness) -> None
     worker.handle(handoff("d", 1, PROMPT_D, [11, 2, 5, 7, 8]))
     assert not worker.engine.has_unfinished() and worker.engine.pool.num_cached_blocks == 0
     assert worker.counters()["blocks_pulled"] == 0
-    assert received(harness.prefill, 1) == [ReleaseCmd(0, [1])]
+    assert received(harness.prefill, 1) == [ReleaseCmd(0, [1], POOL_ID)]
 
 
 def test_generate_cmd_is_served_with_its_first_token_in_a_cluster_with_prefill_workers(

@@ -125,7 +125,7 @@ def test_request_decodes_at_once_and_its_lease_is_released_when_the_copy_is_done
     sink.handles[0].copied = True
     worker.after_step()
     assert worker.counters()["releases_pending"] == 0 and not worker.has_pending_work()
-    assert received(harness.prefill, 1) == [ReleaseCmd(0, [7])]  # once, and not before the copy was done
+    assert received(harness.prefill, 1) == [ReleaseCmd(0, [7], POOL_ID)]  # once, and not before the copy was done
     worker.after_step()
     assert received(harness.prefill, 0) == []
 
@@ -140,7 +140,7 @@ def test_each_lease_waits_for_its_own_copy(harness: Harness) -> None:
     assert worker.counters()["releases_pending"] == 1
     sink.handles[0].copied = True
     worker.after_step()
-    assert received(harness.prefill, 2) == [ReleaseCmd(0, [2]), ReleaseCmd(0, [1])]
+    assert received(harness.prefill, 2) == [ReleaseCmd(0, [2], POOL_ID), ReleaseCmd(0, [1], POOL_ID)]
 
 
 def test_aborted_request_keeps_its_lease_until_the_copy_is_done_and_the_idle_loop_polls_fast(
@@ -158,7 +158,7 @@ def test_aborted_request_keeps_its_lease_until_the_copy_is_done_and_the_idle_loo
     assert worker.counters()["releases_pending"] == 1  # the source blocks may still be read
     sink.handles[0].copied = True
     worker.after_step()
-    assert received(harness.prefill, 1) == [ReleaseCmd(0, [3])]
+    assert received(harness.prefill, 1) == [ReleaseCmd(0, [3], POOL_ID)]
     assert worker._poll_timeout_ms() == 250
 
 
@@ -168,7 +168,7 @@ def test_failed_pull_releases_at_once_and_reports_the_request(harness: Harness) 
     sink.fail = True
     worker.handle(handoff("a", lease_id=4))
     assert worker.counters()["releases_pending"] == 0 and not worker.engine.has_unfinished()
-    assert received(harness.prefill, 1) == [ReleaseCmd(0, [4])]
+    assert received(harness.prefill, 1) == [ReleaseCmd(0, [4], POOL_ID)]
     (error,) = received(harness.router, 1)
     assert isinstance(error, RequestErrorEvent) and (error.request_id, error.code) == ("a", "UNAVAILABLE")
 
@@ -179,7 +179,7 @@ def test_close_waits_for_copies_in_flight_and_releases_their_leases(harness: Har
     worker.handle(handoff("a", lease_id=5))
     worker.close()
     assert sink.handles[0].num_waits == 1 and worker.counters()["releases_pending"] == 0
-    assert received(harness.prefill, 1) == [ReleaseCmd(0, [5])]
+    assert received(harness.prefill, 1) == [ReleaseCmd(0, [5], POOL_ID)]
 
 
 def test_shm_pull_is_synchronous_so_the_lease_is_released_in_the_same_call(harness: Harness) -> None:
@@ -190,7 +190,7 @@ def test_shm_pull_is_synchronous_so_the_lease_is_released_in_the_same_call(harne
         worker.sink.open(0, make_source("shm", source).descriptor())
         worker.handle(handoff("a", lease_id=6, block_ids=[11, 2]))
         assert worker.counters()["releases_pending"] == 0
-        assert received(harness.prefill, 1) == [ReleaseCmd(0, [6])]
+        assert received(harness.prefill, 1) == [ReleaseCmd(0, [6], POOL_ID)]
         dst = worker.engine.requests["a"].block_ids
         assert worker.kv_pool is not None
         assert torch.equal(worker.kv_pool.tensor[:, :, dst], source.tensor[:, :, [11, 2]])

@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -120,13 +121,13 @@ class FakeDecode(FakeWorker):
 
     role = "decode"
 
-    def begin(self, request_id: str) -> None:
-        """Stands in for the HandoffCmd a real prefill worker would send."""
-        self.tasks.append(asyncio.create_task(self._emit(request_id)))
+    def begin(self, request_id: str, first: int = 1) -> None:
+        """Stands in for the HandoffCmd a real prefill worker would send: tokens from index `first` on."""
+        self.tasks.append(asyncio.create_task(self._emit(request_id, first)))
 
-    async def _emit(self, request_id: str) -> None:
+    async def _emit(self, request_id: str, first: int) -> None:
         tokens = self.script.tokens
-        events = [TokenEvent(request_id, i, [tokens[i]]) for i in range(1, len(tokens))]
+        events = [TokenEvent(request_id, i, [tokens[i]]) for i in range(first, len(tokens))]
         events[-1:] = [TokenEvent(request_id, len(tokens) - 1, tokens[-1:], self.script.finish_reason)]
         events = events[: self.script.decode_stall_after]
         for k in range(0, len(events) - 1, 2):
@@ -154,10 +155,12 @@ class FakePrefill(FakeWorker):
             return
         t = msg.timings.arrival
         timings = Timings(arrival=t, prefill_start=t + 0.001, prefill_end=t + 0.003, first_token=t + 0.003)
-        finish = s.finish_reason if len(s.tokens) == 1 else None
-        self.send(TokenEvent(msg.request_id, 0, s.tokens[:1], finish, len(msg.token_ids), s.num_cached_tokens, timings))
+        k = msg.sampling.num_generated  # NOTE: > 0 for a migrated request: its first new token is token k
+        finish = s.finish_reason if len(s.tokens) == k + 1 else None
+        num_prompt = len(msg.token_ids) - k
+        self.send(TokenEvent(msg.request_id, k, s.tokens[k : k + 1], finish, num_prompt, s.num_cached_tokens, timings))
         if finish is None:
-            self.decode[msg.decode_worker].begin(msg.request_id)
+            self.decode[msg.decode_worker].begin(msg.request_id, k + 1)
 
 
 @dataclass
@@ -181,12 +184,16 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def router_with_fakes(
-    model_dir: Path, run_dir: Path, script: Script, heartbeat: bool = True
+    model_dir: Path, run_dir: Path, script: Script, heartbeat: bool = True, max_migrations: int = 0, **cfg_kw: Any
 ) -> AsyncIterator[Harness]:
     ctx = zmq.asyncio.Context()
     prefill, decode_ = FakePrefill(0, run_dir, ctx, script), FakeDecode(0, run_dir, ctx, script)
     prefill.decode = [decode_]
-    router = RouterServer(RouterConfig(str(model_dir), str(run_dir), port=0, heartbeat_timeout=HEARTBEAT_TIMEOUT))
+    cfg = RouterConfig(
+        str(model_dir), str(run_dir), port=0, heartbeat_timeout=HEARTBEAT_TIMEOUT, max_migrations=max_migrations,
+        **cfg_kw,
+    )  # fmt: skip
+    router = RouterServer(cfg)
     await router.start()
     for fake in (prefill, decode_):
         fake.heartbeating = heartbeat
@@ -350,6 +357,116 @@ def test_restarted_prefill_worker_fails_requests_waiting_for_their_first_token(
                 err.value.details()
             )
             assert not h.prefill.got(DecodeWorkerLostCmd)
+
+    asyncio.run(body())
+
+
+def test_restarted_prefill_worker_with_migration_gets_the_request_again(smollm2_dir: Path, run_dir: Path) -> None:
+    tokens = list(range(100, 110))
+
+    async def body() -> None:
+        script = Script(tokens, prefill_stall=True)
+        async with router_with_fakes(smollm2_dir, run_dir, script, max_migrations=1) as h:
+            sampling = pb.SamplingParams(temperature=0.0, max_tokens=len(tokens))
+            call = h.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=sampling,
+                                                      request_id="p"))  # fmt: skip
+            await eventually(lambda: bool(h.prefill.got(GenerateCmd, "p")))
+            script.prefill_stall = False
+            h.prefill.incarnation = uuid.uuid4().hex  # what a restarted process looks like
+            got = [r async for r in call]
+            (cmd,) = h.prefill.got(GenerateCmd, "p#migrated-1")
+            assert isinstance(cmd, GenerateCmd) and cmd.token_ids == [1, 2, 3] and cmd.sampling.num_generated == 0
+            assert [t for r in got for t in r.token_ids] == tokens and got[-1].finish_reason == pb.FINISH_REASON_LENGTH
+            assert h.prefill.got(AbortCmd, "p")  # the lost attempt, in case the worker still has it
+            assert h.router.hub.num_migrations == 1 and len(h.router.hub.table) == 0
+
+    asyncio.run(body())
+
+
+def test_lost_decode_worker_with_migration_resumes_with_the_tokens_so_far(smollm2_dir: Path, run_dir: Path) -> None:
+    tokens = list(range(200, 216))
+
+    async def body() -> None:
+        script = Script(tokens, decode_stall_after=5)
+        async with router_with_fakes(smollm2_dir, run_dir, script, max_migrations=2) as h:
+            sampling = pb.SamplingParams(temperature=0.0, max_tokens=len(tokens), seed=3)
+            call = h.stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), sampling=sampling,
+                                                      request_id="d"))  # fmt: skip
+            seen: list[int] = []
+            while len(seen) < 6:  # token 0 from prefill, 1..5 from decode
+                seen += (await call.read()).token_ids
+            script.decode_stall_after = None
+            h.decode.heartbeating = False  # silent: down after the heartbeat timeout ...
+            await asyncio.sleep(HEARTBEAT_TIMEOUT + 0.3)
+            h.decode.incarnation = uuid.uuid4().hex  # ... and back as a new process
+            h.decode.heartbeating = True
+            while (r := await call.read()) is not grpc.aio.EOF:
+                seen += r.token_ids
+            got = seen
+            assert got == tokens  # nothing lost, nothing twice
+            (cmd,) = h.prefill.got(GenerateCmd, "d#migrated-1")
+            assert isinstance(cmd, GenerateCmd)
+            assert cmd.token_ids == [1, 2, 3, *tokens[:6]] and cmd.sampling.num_generated == 6
+            assert (cmd.sampling.max_tokens, cmd.sampling.seed) == (len(tokens), 3)
+            assert h.router.hub.num_migrations == 1 and len(h.router.hub.table) == 0
+
+    asyncio.run(body())
+
+
+def test_migration_gives_up_after_max_migrations(smollm2_dir: Path, run_dir: Path) -> None:
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script([7, 8], prefill_stall=True), max_migrations=1) as h:
+            call = h.stub.Generate(pb.GenerateRequest(text="wait", request_id="g"))
+            for attempt_id in ("g", "g#migrated-1"):
+                await eventually(lambda a=attempt_id: bool(h.prefill.got(GenerateCmd, a)))  # type: ignore[misc]
+                h.prefill.incarnation = uuid.uuid4().hex
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "restarted" in str(err.value.details())
+            assert h.router.hub.num_migrations == 1
+
+    asyncio.run(body())
+
+
+def test_admission_queues_what_has_no_kv_room_and_refuses_past_max_queued(smollm2_dir: Path, run_dir: Path) -> None:
+    # the fake decode worker reports 128 blocks of 16 tokens; each request needs 2 + 1006 tokens: 63 blocks
+    script = Script(list(range(100, 140)), decode_stall_after=2)
+
+    def request(rid: str) -> pb.GenerateRequest:
+        return pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=[1, 2]), sampling=pb.SamplingParams(max_tokens=1006), request_id=rid
+        )
+
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, script, block_size=16, max_queued=1) as h:
+            running = [h.stub.Generate(request(rid)) for rid in ("a", "b")]
+            for call in running:
+                await call.read()
+            queued = h.stub.Generate(request("c"))
+            await eventually(lambda: len(h.router.hub.admission) == 1)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await h.generate(request("d"))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "waiting for KV room" in str(
+                err.value.details()
+            )
+            assert not h.prefill.got(GenerateCmd, "c") and not h.prefill.got(GenerateCmd, "d")
+            assert h.router.hub.table.reserved_at_decode[0] == 126
+            running[0].cancel()  # its 63 blocks are room for c
+            assert (await queued.read()).token_ids[0] == 100
+            assert h.prefill.got(GenerateCmd, "c") and len(h.router.hub.admission) == 0
+            # a queued request that is cancelled leaves the queue and passes its turn on
+            gone = h.stub.Generate(request("e"))
+            await eventually(lambda: len(h.router.hub.admission) == 1)
+            gone.cancel()
+            await eventually(lambda: len(h.router.hub.admission) == 0)
+            waits = h.stub.Generate(request("f"))
+            await eventually(lambda: len(h.router.hub.admission) == 1)
+            running[1].cancel()
+            assert (await waits.read()).token_ids[0] == 100
+            assert not h.prefill.got(GenerateCmd, "e")
+            for call in (queued, waits):
+                call.cancel()
+            await eventually(lambda: len(h.router.hub.table) == 0 and +h.router.hub.table.reserved_at_decode == {})
 
     asyncio.run(body())
 

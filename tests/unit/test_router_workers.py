@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from core.messages import HeartbeatEvent, KvSnapshotEvent
+from core.messages import HeartbeatEvent, KvSnapshotEvent, Sampling
 from router.config import RouterConfig
 from router.dispatch import COLOCATED, Assignment, ClusterView, Dispatcher, NoWorkerError, choose_decode
 from router.prefix_index import PrefixIndex, prompt_block_hashes
 from router.requests import DuplicateRequestError, RequestTable
 from router.routing import PrefillLoad
-from router.workers import Change, Liveness
+from router.workers import Change, LayoutMismatch, Liveness
 
 
 def hb(role: str, worker: int, incarnation: str = "a", free: int = 10) -> HeartbeatEvent:
@@ -41,6 +43,22 @@ def test_new_incarnation_is_a_restart() -> None:
 def test_heartbeat_from_an_unknown_worker_is_refused(beat: HeartbeatEvent) -> None:
     with pytest.raises(ValueError, match="unknown worker"):
         Liveness(1, 1, timeout=2.0).observe(beat, now=0.0)
+
+
+def test_a_worker_with_another_kv_layout_never_counts_as_up() -> None:
+    live = Liveness(1, 2, timeout=2.0, expected_layout={"block_size": 16})
+    layout = {"model": "m", "dtype": "float32", "block_size": 16, "num_kv_heads": 2}
+
+    def beat(role: str, worker: int, **changes: object) -> HeartbeatEvent:
+        return dataclasses.replace(hb(role, worker), layout={**layout, **changes})
+
+    with pytest.raises(LayoutMismatch, match="block_size 16 != 32"):  # the configured field, before any pin
+        live.observe(beat("decode", 1, block_size=32), now=0.0)
+    assert live.observe(beat("prefill", 0), now=0.0) == [Change("prefill", 0, "up")]  # pins the rest
+    with pytest.raises(LayoutMismatch, match="dtype float32 != bfloat16"):
+        live.observe(beat("decode", 0, dtype="bfloat16"), now=0.1)
+    assert live.observe(beat("decode", 0), now=0.2) == [Change("decode", 0, "up")]
+    assert live.up("decode") == [0] and live.observe(hb("decode", 1), now=0.3)  # no layout: an older worker
 
 
 def test_decode_choice_is_fewest_running_then_most_free_blocks_then_lowest_id() -> None:
@@ -131,12 +149,23 @@ def test_colocated_cluster_needs_no_prefill_worker() -> None:
 
 def test_request_table_counts_requests_per_worker() -> None:
     table = RequestTable()
-    a, b = table.open("a", 0, 1), table.open("b", 0, 0)
+    a, b = (table.open(rid, [1, 2], Sampling(), 0.0) for rid in ("a", "b"))
+    table.place(a, 0, 1, prefill_tokens=2, reserved_blocks=3)
+    table.place(b, 0, 0, prefill_tokens=2, reserved_blocks=5)
     with pytest.raises(DuplicateRequestError):
-        table.open("a", 1, 1)
-    assert (table.num_at_prefill[0], table.num_at_decode[1]) == (2, 1)
+        table.open("a", [1], Sampling(), 0.0)
+    assert (table.num_at_prefill[0], table.num_at_decode[1], table.reserved_at_decode[1]) == (2, 1, 3)
     table.mark_past_prefill(a)
-    assert table.at_prefill(0) == [b] and table.at_decode(1) == [a]
+    assert table.awaiting_prefill(0) == [a, b] and table.at_decode(1) == [a]
+    a.decode_started = True
+    assert table.awaiting_prefill(0) == [b] and table.prefill_load()[0].queued_tokens == 2
+    # a migration: the lost attempt's counts go, the next attempt has its own worker-side id
+    table.unplace(b)
+    b.attempt += 1
+    table.place(b, 1, 1, reserved_blocks=5)
+    assert table.by_worker("b") is None and table.by_worker("b#migrated-1") is b
+    assert (table.num_at_decode[0], table.reserved_at_decode[1]) == (0, 8)
     table.close("a")
     table.close("b")
-    assert len(table) == 0 and +table.num_at_prefill == {} and +table.num_at_decode == {}
+    assert len(table) == 0 and not table.by_worker_id
+    assert +table.num_at_prefill == {} and +table.num_at_decode == {} and +table.reserved_at_decode == {}

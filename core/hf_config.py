@@ -1,0 +1,67 @@
+"""A model folder's config.json as the attribute object core/models reads (ModelConfig.hf_config).
+
+For the families listed here it is read directly, their transformers defaults filled in, because importing
+transformers' config machinery costs a worker seconds at every (re)start; anything else (another model type,
+a scaled rope) goes through transformers' AutoConfig. tests/unit/test_hf_config.py checks these defaults and
+the result against transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": None,
+        "head_dim": None,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    },
+    "gpt2": {
+        "vocab_size": 50257,
+        "n_positions": 1024,
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+def load_hf_config(path: str | Path) -> Any:
+    """config.json of the folder as an attribute object (see the module docstring)."""
+    light = read_plain(path)
+    if light is not None:
+        return light
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def read_plain(path: str | Path) -> SimpleNamespace | None:
+    """The config with defaults filled in, or None when it needs transformers (unknown type, scaled rope)."""
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict) or raw.get("model_type") not in DEFAULTS:
+        return None
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or (rope.get("rope_type") or rope.get("type") or "default") != "default":
+        return None
+    return SimpleNamespace(**{**DEFAULTS[raw["model_type"]], **raw})

@@ -1,0 +1,54 @@
+"""core/hf_config.py reads config.json without transformers for llama and gpt2: its defaults are transformers'
+own, and every field core/models reads equals what AutoConfig gives for the test models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig, GPT2Config, LlamaConfig
+
+from core.config import ModelConfig
+from core.hf_config import DEFAULTS, read_plain
+
+USED = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "attention_bias",
+    "mlp_bias", "tie_word_embeddings", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
+    "activation_function", "layer_norm_epsilon", "eos_token_id",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "cls"), [("llama", LlamaConfig), ("gpt2", GPT2Config)])
+def test_defaults_are_the_transformers_defaults(family: str, cls: type) -> None:
+    hf = cls()
+    for key, value in DEFAULTS[family].items():
+        if key == "head_dim" and value is None:  # NOTE: transformers derives it; so do we (hidden // heads)
+            continue
+        if key == "num_key_value_heads" and value is None:
+            assert hf.num_key_value_heads == hf.num_attention_heads
+            continue
+        assert getattr(hf, key) == value, key
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_gpt2_dir", "smollm2_dir"])
+def test_plain_config_equals_autoconfig_where_the_models_read_it(model: str, request: pytest.FixtureRequest) -> None:
+    folder = request.getfixturevalue(model)
+    plain, hf = read_plain(folder), AutoConfig.from_pretrained(folder)
+    assert plain is not None
+    for key in USED:  # NOTE: GPT2Config also answers Llama names (hidden_size...) by alias; core/models do not ask
+        if hasattr(plain, key) and key != "head_dim":
+            assert getattr(plain, key) == getattr(hf, key), key
+    a, b = ModelConfig.from_pretrained(folder), ModelConfig.from_hf_config(hf, str(folder))
+    assert a == b  # every shape field, eos ids included
+
+
+def test_other_types_and_scaled_rope_go_through_transformers(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert read_plain(tmp_path) is None
+    scaled = {"model_type": "llama", "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}}
+    (tmp_path / "config.json").write_text(json.dumps(scaled))
+    assert read_plain(tmp_path) is None
+    (tmp_path / "config.json").write_text("not json")
+    assert read_plain(tmp_path) is None
