@@ -40,6 +40,8 @@ class EngineStats:
     """Prompt tokens that went through the model (cache hits excluded)."""
     num_cached_prompt_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+    num_prompt_tokens: int = 0
+    """Prompt tokens of the requests prefilled here (the prefix cache's query tokens)."""
     num_full_hits: int = 0
     """Requests whose first token came from cached last_logits, with no forward pass."""
     num_preemptions: int = 0
@@ -305,6 +307,7 @@ class Engine:
         tokens = req.token_ids
         if len(tokens) == req.num_prompt_tokens:
             self.stats.num_cached_prompt_tokens += req.num_cached_tokens
+            self.stats.num_prompt_tokens += req.num_prompt_tokens
         tokens.append(token)
         return self._stop_or_continue(req, token, len(tokens))
 

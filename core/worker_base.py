@@ -28,12 +28,17 @@ from core.messages import (
     Timings,
     sampling_to_params,
 )
+from core.metrics import WorkerMetrics
 from core.step_timer import StepTimer
 
 log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
 PENDING_POLL_MS = 1
 """Poll timeout of an idle loop while has_pending_work(): short, so that work is not held up a heartbeat."""
+
+
+RESTARTS_ENV = "PDSERVE_RESTARTS"
+"""Set by the supervisor: how many times it restarted this worker (the pdserve_process_restarts metric)."""
 
 
 def bad_fields(cmd: GenerateCmd) -> str | None:
@@ -71,6 +76,8 @@ class WorkerBase:
         self.engine: Engine  # set by the subclass
         self.kv_events: KvEventPublisher  # bound by run(), once the engine (and so the block size) exists
         self.step_timer = StepTimer()
+        restarts = int(os.environ.get(RESTARTS_ENV, "0") or 0)
+        self.metrics = WorkerMetrics(self.role, worker_id, self.heartbeat_event, restarts)
 
     def handle(self, msg: Message) -> None:
         raise NotImplementedError
@@ -118,6 +125,8 @@ class WorkerBase:
             "cached_prompt_tokens": s.num_cached_prompt_tokens,
             "full_hits": s.num_full_hits,
             "preemptions": s.num_preemptions,
+            "prompt_tokens": s.num_prompt_tokens,
+            "cached_blocks": self.engine.pool.num_cached_blocks,
             **self.step_timer.counters(),
         }
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from core.cli import add_cluster_args, add_engine_args, engine_config_from_args
 from core.config import EngineConfig
@@ -28,6 +29,10 @@ def main(role: str, factory: WorkerFactory, argv: list[str] | None = None) -> in
     )
     try:
         worker = factory(engine_config_from_args(args), args)
+        if args.metrics_port is not None:
+            port_file = Path(args.run_dir) / "metrics" / f"{role}-{args.worker_id}.port"
+            port = worker.metrics.serve(args.metrics_port, port_file)
+            logging.getLogger(__name__).info("metrics on http://127.0.0.1:%d/metrics", port)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"pdserve {role} worker {args.worker_id}: cannot start: {exc}", file=sys.stderr)
         return 2

@@ -126,6 +126,7 @@ class DecodeWorker(WorkerBase):
         return {
             **super().counters(),
             "blocks_pulled": self.num_blocks_pulled,
+            "handoff_bytes": self.num_blocks_pulled * self.layout.nbytes // self.layout.num_blocks,
             "aborted": self.num_aborted,
             "blocks_shared": self.num_blocks_shared,
             "handoffs_waiting": len(self.waiting),
@@ -172,7 +173,10 @@ class DecodeWorker(WorkerBase):
             self._release(cmd)
             known = True
         self.num_aborted += known
-        if known:  # NOTE: its handoff is here already; remembering the id would drop a later request reusing it
+        if known:
+            log.info(
+                "request %s aborted", request_id
+            )  # NOTE: its handoff is here already; remembering the id would drop a later request reusing it
             return
         self.aborted[request_id] = None
         while len(self.aborted) > RECENT_ABORTS:
@@ -239,9 +243,16 @@ class DecodeWorker(WorkerBase):
                 self._release(cmd)
             return True
         self.engine.cache_adopted(cmd.request_id)
+        log.info(
+            "request %s adopted from prefill %d: pulled=%d shared=%d blocks", cmd.request_id, cmd.prefill_worker,
+            len(dst.dst), dst.num_shared,
+        )  # fmt: skip
         self.num_blocks_pulled += len(dst.dst)
         self.num_blocks_shared += dst.num_shared
-        self.timings[cmd.request_id] = dataclasses.replace(cmd.timings, handoff_end=time.time())
+        now = time.time()
+        self.timings[cmd.request_id] = dataclasses.replace(cmd.timings, handoff_end=now)
+        if cmd.timings.prefill_end:
+            self.metrics.handoff_latency.observe(max(0.0, now - cmd.timings.prefill_end))
         if handle.done():  # shm: the copy was synchronous; or nothing needed copying
             self._release(cmd)
         else:
@@ -306,6 +317,10 @@ class DecodeWorker(WorkerBase):
     def step_engine(self) -> bool:
         events = []
         for out in self.engine.step():
+            if out.finish_reason is not None:
+                log.info(
+                    "request %s finished: %s after %d tokens", out.request_id, out.finish_reason, out.num_output_tokens
+                )
             index = out.num_output_tokens - len(out.new_token_ids)
             timings = self.timings.pop(out.request_id, None)
             if timings is not None and not timings.prefill_end:  # NOTE: a GenerateCmd: this worker prefilled it

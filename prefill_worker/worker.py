@@ -86,6 +86,7 @@ class PrefillWorker(WorkerBase):
         ]
         self.pending: dict[str, _Pending] = {}
         self.num_aborted: int = 0  # requests finished with reason abort here, before their handoff
+        self.num_handoffs: int = 0  # HandoffCmds sent
 
     def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
         layout = KVLayout.from_engine_config(self.cfg, num_blocks)
@@ -97,7 +98,7 @@ class PrefillWorker(WorkerBase):
 
     def counters(self) -> dict[str, int]:
         leases = {"leased_blocks": self.leases.num_leased_blocks, "leases": len(self.leases)}
-        return {**super().counters(), **leases, "aborted": self.num_aborted}
+        return {**super().counters(), **leases, "aborted": self.num_aborted, "handoffs": self.num_handoffs}
 
     # --- messages -------------------------------------------------------------------------------------
     def handle(self, msg: Message) -> None:
@@ -112,6 +113,7 @@ class PrefillWorker(WorkerBase):
         elif isinstance(msg, AbortCmd):
             if self.pending.pop(msg.request_id, None) is not None:
                 self.num_aborted += self.engine.abort(msg.request_id) is not None
+                log.info("request %s aborted before its handoff", msg.request_id)
         elif isinstance(msg, DecodeWorkerLostCmd):
             self.engine.release_blocks(self.leases.reclaim(msg.decode_worker))
         else:
@@ -172,6 +174,7 @@ class PrefillWorker(WorkerBase):
             ),
         )
         if out.finished:
+            log.info("request %s finished at prefill: %s", out.request_id, out.finish_reason)
             return
         req = self.engine.detach(out.request_id)
         lease_id = self.leases.grant(req.request_id, cmd.decode_worker, req.block_ids, time.monotonic(), self.lease_ttl)
@@ -187,6 +190,11 @@ class PrefillWorker(WorkerBase):
             sampling=params_to_sampling(req.sampling.params, req.sampling.num_generated),
             timings=timings,
         )
+        self.num_handoffs += 1
+        log.info(
+            "request %s prefilled: prompt=%d cached=%d -> decode %d (lease %d, %d blocks)", req.request_id,
+            req.num_prompt_tokens, req.num_cached_tokens, cmd.decode_worker, lease_id, len(req.block_ids),
+        )  # fmt: skip
         if not ipc.send(self.to_decode[cmd.decode_worker], handoff):
             self.engine.release_blocks(self.leases.release([lease_id]))
             ipc.send(

@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument(
         "--max-queued", type=int, default=1024, help="requests that may wait for KV room (more: RESOURCE_EXHAUSTED)"
     )
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="Prometheus metrics on 127.0.0.1:PORT (0: any free port)"
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     if args.prefill < 0 or args.decode < 1:
@@ -67,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         local_prefill_threshold=args.local_prefill_threshold,
         max_migrations=args.max_migrations,
         max_queued=args.max_queued,
+        metrics_port=args.metrics_port,
     )
 
 

@@ -39,6 +39,8 @@ class RouterConfig:
     """Send a request straight to its decode worker when that worker holds all but a short tail of the prompt."""
     local_prefill_threshold: int = 64
     """conditional_disagg: the longest uncached tail (tokens) a decode worker computes itself."""
+    metrics_port: int | None = None
+    """Prometheus metrics on 127.0.0.1:metrics_port (0: any free port; the port goes to run_dir/metrics/)."""
     max_queued: int = 1024
     """Requests that may wait for KV room (router/admission.py); one more is refused RESOURCE_EXHAUSTED."""
     max_migrations: int = 2

@@ -10,6 +10,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,6 +22,7 @@ from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.admission import QueueFullError
 from router.config import RouterConfig
 from router.dispatch import NoWorkerError
+from router.metrics import RouterMetrics, StreamClock
 from router.model_info import ModelSpec
 from router.requests import DuplicateRequestError, TrackedRequest, WorkerLost
 from router.stream import ResponseBuilder, TokenReorderer, merge
@@ -50,14 +52,25 @@ with the heartbeat timeout (2 s) a stream that cannot move ends UNAVAILABLE with
 MIGRATION_POLL_S = 0.05
 
 
+FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+
+
+@dataclasses.dataclass
+class StreamEnd:
+    """How a stream ended, for the metrics: a stream closed before it finished was cancelled by its client."""
+
+    status: str = "CANCELLED"
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Validates, dispatches through the WorkerHub and streams each request's tokens back."""
 
     def __init__(
         self, model: ModelSpec, tokenizer: RouterTokenizer, hub: WorkerHub, block_size: int | None,
-        max_migrations: int = 0,
+        max_migrations: int = 0, metrics: RouterMetrics | None = None,
     ) -> None:  # fmt: skip
         self.max_migrations = max_migrations
+        self.metrics = metrics or RouterMetrics(hub)
         self.model = model
         self.tokenizer = tokenizer
         self.validator = RequestValidator(model, tokenizer)
@@ -78,6 +91,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival = time.time()
         request_id = request.request_id or uuid.uuid4().hex
+        end = StreamEnd()
+        clock = StreamClock(self.metrics, arrival)
         try:
             # NOTE: tokenizing a long text or rendering a template must not stall the other streams; token ids
             # are only range-checked, cheaper than the hop to a thread (the exact-hit TTFT path).
@@ -87,20 +102,34 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 valid = await asyncio.to_thread(self.validator.validate, request)
             req = await self.hub.admit(request_id, valid.token_ids, valid.sampling, arrival)
         except (ValidationError, DuplicateRequestError, NoWorkerError, QueueFullError) as exc:
+            clock.ended("none", REFUSALS[type(exc)].name, time.time())
+            log.info("request %s refused %s: %s", request_id, REFUSALS[type(exc)].name, exc)
             await context.abort(REFUSALS[type(exc)], str(exc))
             return
+        self.metrics.prompt_tokens.inc(len(valid.token_ids))
         builder = ResponseBuilder(request_id, valid.token_ids, valid.sampling, valid.stop, self.tokenizer, arrival)
         try:
-            async for response in self._stream(req, builder, context):
+            async for response in self._stream(req, builder, context, end):
+                clock.sent(len(response.token_ids), time.time())
                 yield response
+            end.status = "OK"
         finally:
             # NOTE: runs on client cancel, errors and stop strings alike: workers free what they hold.
             if not builder.worker_finished:
                 self.hub.abort(req)
             self.hub.release(request_id)
+            reason = FINISH_NAMES.get(builder.finish_reason, "none")
+            now = time.time()
+            clock.ended(reason, end.status, now)
+            log.info(
+                "request %s %s finish=%s prompt=%d cached=%d generated=%d ttft_ms=%.1f e2e_ms=%.1f workers=%s/%s "
+                "attempts=%d", request_id, end.status, reason, builder.num_prompt_tokens, builder.num_cached_tokens,
+                builder.num_generated, clock.ttft_ms(), (now - arrival) * 1e3, req.prefill_worker, req.decode_worker,
+                req.attempt + 1,
+            )  # fmt: skip
 
     async def _stream(
-        self, req: TrackedRequest, builder: ResponseBuilder, context: grpc.aio.ServicerContext
+        self, req: TrackedRequest, builder: ResponseBuilder, context: grpc.aio.ServicerContext, end: StreamEnd
     ) -> AsyncIterator[pb.GenerateResponse]:
         """One response per wake-up: everything that arrived meanwhile goes out together (see stream.merge).
         A lost worker or a failed KV transfer moves the request to other workers (migrate) when it may."""
@@ -117,6 +146,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if isinstance(item, (WorkerLost, RequestErrorEvent)):
                     if await self._migrate(req, item, generated):
                         continue
+                    end.status = _status_code(item.code).name
                     await context.abort(_status_code(item.code), item.message)
                     return
                 new = reorderer.push(item)
@@ -157,7 +187,8 @@ class RouterServer:
         self.hub = WorkerHub(cfg)
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *PENDING_CALL_LIMITS]
         self.server = grpc.aio.server(options=options)
-        servicer = GenerationServicer(model, tokenizer, self.hub, cfg.block_size, cfg.max_migrations)
+        self.metrics = RouterMetrics(self.hub)
+        servicer = GenerationServicer(model, tokenizer, self.hub, cfg.block_size, cfg.max_migrations, self.metrics)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -176,6 +207,9 @@ class RouterServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         self.hub.start()
+        if self.cfg.metrics_port is not None:
+            port = self.metrics.serve(self.cfg.metrics_port, Path(self.cfg.run_dir) / "metrics" / "router.port")
+            log.info("metrics on http://127.0.0.1:%d/metrics", port)
         return self.port
 
     @property

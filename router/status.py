@@ -116,7 +116,7 @@ def role_row(role: RoleStatus) -> tuple[str, ...]:
     if s is None:
         return (*head, "-", "-", "-", "-")
     free, total = s["num_free_blocks"], s["num_total_blocks"]
-    cached = s.get("num_cached_blocks")  # NOTE: not in every heartbeat; shown when a worker reports it
+    cached = s.get("counters", {}).get("cached_blocks")  # NOTE: not in every heartbeat; shown when reported
     return (
         *head,
         f"{total - free}/{free}/{total}",

@@ -32,6 +32,8 @@ MAX_BACKOFF_S = 10.0
 STABLE_AFTER_S = 30.0
 STARTUP_ERROR_EXIT = 2
 """Exit code of a child that cannot start (bad flag, missing model, port in use): restarting cannot help."""
+RESTARTS_ENV = "PDSERVE_RESTARTS"
+"""Tells a worker how often it was restarted (its pdserve_process_restarts metric; core/worker_base.py)."""
 STOP_MARGIN_S = 5.0
 """Seconds a child gets past its own grace to exit on SIGTERM before it is killed."""
 
@@ -92,15 +94,25 @@ def build_children(args: argparse.Namespace, run_dir: Path, extra: list[str]) ->
             + ["--prefill", str(args.prefill), "--decode", str(args.decode), "--routing", args.routing]
             + ["--block-size", str(args.block_size), "--grace", str(args.grace)]
             + ["--max-migrations", str(args.max_migrations), "--max-queued", str(args.max_queued)]
+            + _metrics_flag(args, 0)
             + (["--conditional-disagg"] if args.conditional_disagg else []),
             logs / "router.log",
         )
     ]
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
-            argv = [py, "-m", f"{role}_worker", *worker, "--worker-id", str(i)]
+            offset = 1 + i + (args.prefill if role == "decode" else 0)
+            argv = [py, "-m", f"{role}_worker", *worker, "--worker-id", str(i), *_metrics_flag(args, offset)]
             children.append(Child(f"{role}-{i}", argv, logs / f"{role}-{i}.log"))
     return children
+
+
+def _metrics_flag(args: argparse.Namespace, offset: int) -> list[str]:
+    """--metrics-port of the child at offset (router 0, prefill i 1+i, decode j 1+P+j); 0 stays 0 (any free
+    port), a negative base turns metrics off."""
+    if args.metrics_port < 0:
+        return []
+    return ["--metrics-port", str(args.metrics_port + offset if args.metrics_port else 0)]
 
 
 class Mps:
@@ -188,7 +200,8 @@ class Supervisor:
                 child.start(self._env_for(child))
 
     def _env_for(self, child: Child) -> dict[str, str]:
-        return {**self.env, **self.mps.role_env(child.name.split("-")[0])} if self.mps else self.env
+        env = {**self.env, RESTARTS_ENV: str(child.restarts)}
+        return {**env, **self.mps.role_env(child.name.split("-")[0])} if self.mps else env
 
     def _check_ready(self, address: str) -> None:
         if self.ready:
@@ -271,6 +284,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument(
         "--max-queued", type=int, default=1024, help="router: requests that may wait for KV room (more: refused)"
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9400,
+        help="Prometheus metrics on 127.0.0.1: router at this port, prefill i at +1+i, decode j at +1+P+j "
+        "(0: free ports, written to RUN_DIR/metrics/; -1: off)",
     )
     args, extra = p.parse_known_args(argv)
     if args.transport is None:

@@ -35,7 +35,8 @@ class Cluster:
         self.run_dir = run_dir
         argv = [sys.executable, str(ROOT / "scripts" / "supervisor.py"), "--model", str(model)]
         argv += ["--prefill", str(prefill), "--decode", str(decode), "--port", str(self.port)]
-        argv += ["--run-dir", str(run_dir), "--device", device, *extra]
+        # NOTE: metrics on free ports (RUN_DIR/metrics/*.port): clusters of parallel runs must not collide
+        argv += ["--run-dir", str(run_dir), "--device", device, "--metrics-port", "0", *extra]
         path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         self.output: list[str] = []
@@ -68,6 +69,10 @@ class Cluster:
 
     def status(self) -> dict[str, Any]:
         return json.loads((self.run_dir / "status.json").read_text())  # type: ignore[no-any-return]
+
+    def metrics_port(self, name: str) -> int:
+        """The Prometheus port of router / prefill-i / decode-j."""
+        return int((self.run_dir / "metrics" / f"{name}.port").read_text())
 
     def pid(self, name: str) -> int:
         role = next(r for r in self.status()["roles"] if r["name"] == name)

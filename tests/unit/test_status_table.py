@@ -36,7 +36,7 @@ def write_run_dir(run_dir: Path, supervisor_pid: int) -> Path:
     (run_dir / "status.json").write_text(json.dumps({"pid": supervisor_pid, "ready": True, "roles": roles}))
     stats = run_dir / "stats"
     stats.mkdir()
-    prefill = heartbeat("prefill-0", 102, 200, 255, 1, 4, num_cached_blocks=30, counters={"full_hits": 2})
+    prefill = heartbeat("prefill-0", 102, 200, 255, 1, 4, counters={"full_hits": 2, "cached_blocks": 30})
     (stats / "prefill-0.json").write_text(json.dumps(prefill))
     (stats / "decode-0.json").write_text(json.dumps(heartbeat("decode-0", 99, 1, 255, 9, 9)))
     (stats / "decode-1.json").write_text(json.dumps(heartbeat("decode-1", 98, 1, 255, 9, 9)))
@@ -60,7 +60,7 @@ def test_json_keeps_only_heartbeats_of_the_live_pid(tmp_path: Path, capsys: pyte
     out = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in out["roles"]] == ["router", "prefill-0", "decode-0", "decode-1"]
     assert [r["stats"] is not None for r in out["roles"]] == [False, True, False, False]
-    assert out["roles"][1]["stats"]["counters"] == {"full_hits": 2}
+    assert out["roles"][1]["stats"]["counters"] == {"full_hits": 2, "cached_blocks": 30}
     assert out["roles"][1]["stats_age_s"] >= 0
     assert (out["supervisor_pid"], out["supervisor_alive"], out["ready"]) == (os.getpid(), True, True)
 

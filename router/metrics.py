@@ -1,0 +1,111 @@
+"""Prometheus metrics of the router (prometheus_client), served over HTTP on a loopback port.
+
+Per request, as the client sees it: time to first token (arrival at the router to the first token leaving
+it: queue + prefill + handoff + the first decode step), inter-token latency, end-to-end latency, and one
+count per finished request by finish reason and gRPC status. Plus the admission queue, requests in flight,
+workers up per role and request migrations, read at scrape time. vLLM's metric names, Prometheus style.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.workers import WorkerHub
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                     7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.3, 0.4, 0.5,
+                 0.75, 1.0, 2.5)  # fmt: skip
+
+
+class HubCollector(Collector):
+    """What the WorkerHub knows at scrape time."""
+
+    def __init__(self, hub: WorkerHub) -> None:
+        self.hub = hub
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        hub = self.hub
+        yield GaugeMetricFamily("pdserve_requests_in_flight", "Requests admitted to workers.", value=len(hub.table))
+        yield GaugeMetricFamily(
+            "pdserve_admission_queue_requests", "Requests waiting for KV room.", value=len(hub.admission)
+        )
+        up = GaugeMetricFamily("pdserve_workers_up", "Workers of a role that heartbeat.", labels=["role"])
+        for role in ("prefill", "decode"):
+            up.add_metric([role], len(hub.liveness.up(role)))
+        yield up
+        yield CounterMetricFamily(
+            "pdserve_request_migrations", "Requests resumed on other workers after a worker loss.",
+            value=hub.num_migrations,
+        )  # fmt: skip
+
+
+class RouterMetrics:
+    """The router's registry: histograms and counters the servicer observes, the hub's gauges."""
+
+    def __init__(self, hub: WorkerHub) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(HubCollector(hub))
+        r = self.registry
+        self.ttft = Histogram(
+            "pdserve_time_to_first_token_seconds", "Arrival to the first token leaving the router.",
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "pdserve_inter_token_latency_seconds", "Time between tokens of a stream, per token.",
+            buckets=ITL_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "pdserve_e2e_request_latency_seconds", "Arrival to the end of the stream.",
+            buckets=LATENCY_BUCKETS_S, registry=r,
+        )  # fmt: skip
+        self.requests = Counter(
+            "pdserve_requests", "Requests ended, by finish reason and gRPC status.", ["finish_reason", "status"],
+            registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens streamed to clients.", registry=r)
+
+    def serve(self, port: int, path: Path) -> int:
+        """Listen on 127.0.0.1:port (0: any free one) in a daemon thread; write the port to path; the port."""
+        server, _ = start_http_server(port, addr="127.0.0.1", registry=self.registry)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(str(server.server_port))
+        return int(server.server_port)
+
+
+class StreamClock:
+    """One stream's timestamps, observed into RouterMetrics as its responses leave."""
+
+    def __init__(self, metrics: RouterMetrics, arrival: float) -> None:
+        self.metrics, self.arrival, self.last, self.first = metrics, arrival, 0.0, 0.0
+
+    def ttft_ms(self) -> float:
+        """Milliseconds to the first token; 0 when none left."""
+        return (self.first - self.arrival) * 1e3 if self.first else 0.0
+
+    def sent(self, num_tokens: int, now: float) -> None:
+        """A response with num_tokens tokens left at `now` (time.time())."""
+        if not num_tokens:
+            return
+        m = self.metrics
+        m.generation_tokens.inc(num_tokens)
+        if not self.last:
+            self.first = now
+            m.ttft.observe(now - self.arrival)
+            num_tokens -= 1
+        if num_tokens:
+            # NOTE: tokens that leave together share the gap since the previous response (vLLM's ITL per token)
+            gap = (now - self.last) / num_tokens if self.last else 0.0
+            for _ in range(num_tokens):
+                m.itl.observe(gap)
+        self.last = now
+
+    def ended(self, finish_reason: str, status: str, now: float) -> None:
+        self.metrics.e2e.observe(now - self.arrival)
+        self.metrics.requests.labels(finish_reason, status).inc()
