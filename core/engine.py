@@ -234,6 +234,10 @@ class Engine:
         """A pure decode pass whose sampling does not depend on how many tokens the host has read."""
         if plan.cached_hits or plan.copies or plan.preempted or not plan.chunks or not is_decode_pass(plan.chunks):
             return False
+        # NOTE: a first token (a 1-token prompt's pass looks like a decode) comes out of the step that computed
+        # it: a prefill worker detaches the request on it, and must not see the request run a second pass first
+        if any(c.req.num_output_tokens == 0 for c in plan.chunks):
+            return False
         states = (c.req.sampling for c in plan.chunks)
         return all(s.params.seed is None and s.num_generated >= s.params.min_tokens for s in states)
 

@@ -19,6 +19,8 @@ from core.scheduler import ScheduledChunk, StepPlan
 from kernels.attention import AttentionBackend, AttentionMetadata, TorchAttention
 
 WARMUP_LENGTHS = (1, 7, 16, 31, 64, 200)
+WARMUP_BATCHES = (2, 11)
+"""Prompts per warm-up pass of several (the prefill graphs take up to 8)."""
 """Prompt lengths of the warm-up passes: each prefill-attention tile height, divisible by 16 and not."""
 
 
@@ -130,10 +132,18 @@ class ModelRunner:
         which a worker's heartbeat thread can be starved (the compiler holds the GIL).
         """
         bs, max_len = self.cfg.cache.block_size, self.cfg.model.max_model_len - 1
-        for n in sorted({min(n, max_len) for n in lengths}):
+
+        def chunk(n: int) -> ScheduledChunk:
             req = Request("warmup", [0] * n, n, SamplingState(SamplingParams(), ()))
             req.block_ids.extend([0] * -(-n // bs))
-            self.execute(StepPlan(chunks=[ScheduledChunk(req, n)]))
+            return ScheduledChunk(req, n)
+
+        for n in sorted({min(n, max_len) for n in lengths}):
+            self.execute(StepPlan(chunks=[chunk(n)]))
+        # NOTE: batches of several prompts (within and beyond the prefill graphs' sequence limit) take other
+        # kernel variants than one prompt does
+        for num_seqs in WARMUP_BATCHES:
+            self.execute(StepPlan(chunks=[chunk(min(1 + 13 * i, max_len)) for i in range(num_seqs)]))
         self.num_forward_calls = self.num_forward_tokens = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

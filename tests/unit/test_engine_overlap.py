@@ -105,3 +105,19 @@ def test_warmup_passes_touch_only_the_null_block_and_leave_no_trace(engine: Engi
     engine.runner.warmup(lengths=(1, 7, 40))
     assert engine.num_forward_calls == 0 and engine.pool.num_free_blocks == free and engine.requests == cached
     test_decode_steps_overlap_and_outputs_arrive_one_step_later(engine)  # serving afterwards is unchanged
+
+
+def test_a_one_token_prompt_gets_its_first_token_from_the_step_that_computed_it(engine: Engine) -> None:
+    # NOTE: its pass looks like a decode pass; overlapped, the token came a step late and a second pass of the
+    # request had already run by then: a prefill worker, which detaches each request on its first token, saw
+    # two outputs of one request and crashed (H200, tests/gpu/test_cluster_cuda.py)
+    engine.add_request("one", [7], GREEDY)
+    (first,) = engine.step()
+    assert (first.request_id, first.num_output_tokens, engine._in_flight) == ("one", 1, None)
+    for i, prompt in enumerate(random_prompts(1024, (5, 9), seed=32)):
+        engine.add_request(f"late{i}", prompt, GREEDY)
+    outs = engine.step()  # "one" decodes beside two prompts: one output each, in order
+    assert sorted(o.request_id for o in outs) == ["late0", "late1", "one"]
+    assert [o.num_output_tokens for o in outs if o.request_id == "one"] == [2]
+    drain(engine)
+    assert engine.pool.num_used_blocks == 0
