@@ -115,6 +115,40 @@ def _metrics_flag(args: argparse.Namespace, offset: int) -> list[str]:
     return ["--metrics-port", str(args.metrics_port + offset if args.metrics_port else 0)]
 
 
+def gpu_lists(spec: str | None) -> list[str] | None:
+    """'0,1' -> ['0', '1']; None or '' -> None (the default device placement)."""
+    if not spec:
+        return None
+    gpus = [g.strip() for g in spec.split(",") if g.strip()]
+    if not gpus:
+        raise ValueError(f"no GPU in {spec!r}")
+    return gpus
+
+
+def placement(prefill_gpus: list[str] | None, decode_gpus: list[str] | None, num_prefill: int, num_decode: int
+              ) -> dict[str, str]:  # fmt: skip
+    """CUDA_VISIBLE_DEVICES of each worker ({} without --prefill-gpus / --decode-gpus): prefill i gets
+    prefill_gpus[i % n]; decode j gets decode_gpus[j % m] first (its "cuda") and then every prefill GPU, whose
+    pools it maps by CUDA IPC and copies from (peer copies; kvtransfer/cuda_ipc.py finds them by UUID)."""
+    if prefill_gpus is None and decode_gpus is None:
+        return {}
+    prefill_gpus = prefill_gpus or decode_gpus
+    decode_gpus = decode_gpus or prefill_gpus
+    assert prefill_gpus is not None and decode_gpus is not None
+    env = {f"prefill-{i}": prefill_gpus[i % len(prefill_gpus)] for i in range(num_prefill)}
+    for j in range(num_decode):
+        own = decode_gpus[j % len(decode_gpus)]
+        env[f"decode-{j}"] = ",".join([own, *dict.fromkeys(g for g in prefill_gpus if g != own)])
+    return env
+
+
+def roles_share_a_gpu(prefill_gpus: list[str] | None, decode_gpus: list[str] | None) -> bool:
+    """Whether a prefill and a decode worker may run on one GPU (then MPS splits its SMs between them)."""
+    if prefill_gpus is None or decode_gpus is None:
+        return True
+    return bool(set(prefill_gpus) & set(decode_gpus))
+
+
 class Mps:
     """An MPS control daemon private to this cluster (own pipe and log folders), so prefill and decode on
     one GPU each get a fixed share of its SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) instead of time slices."""
@@ -149,8 +183,11 @@ class Mps:
 
 class Supervisor:
     def __init__(
-        self, children: list[Child], run_dir: Path, env: dict[str, str], grace: float, mps: Mps | None = None
-    ) -> None:
+        self, children: list[Child], run_dir: Path, env: dict[str, str], grace: float, mps: Mps | None = None,
+        gpus: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        self.gpus = gpus or {}
+        """Child name -> CUDA_VISIBLE_DEVICES (placement())."""
         self.children = children
         self.grace = grace
         self.run_dir = run_dir
@@ -201,6 +238,8 @@ class Supervisor:
 
     def _env_for(self, child: Child) -> dict[str, str]:
         env = {**self.env, RESTARTS_ENV: str(child.restarts)}
+        if child.name in self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[child.name]
         return {**env, **self.mps.role_env(child.name.split("-")[0])} if self.mps else env
 
     def _check_ready(self, address: str) -> None:
@@ -292,6 +331,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help="Prometheus metrics on 127.0.0.1: router at this port, prefill i at +1+i, decode j at +1+P+j "
         "(0: free ports, written to RUN_DIR/metrics/; -1: off)",
     )
+    p.add_argument("--prefill-gpus", default=None, help="GPUs of the prefill workers, e.g. 0 or 0,1 (round robin)")
+    p.add_argument(
+        "--decode-gpus", default=None, help="GPUs of the decode workers; MPS (auto) only where roles share a GPU"
+    )
     args, extra = p.parse_known_args(argv)
     if args.transport is None:
         args.transport = "cuda_ipc" if args.device.startswith("cuda") else "shm"
@@ -301,6 +344,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         p.error("--prefill must be >= 1 (or use --colocated)")
     if args.decode < 1:
         p.error("--decode must be >= 1")
+    try:
+        gpu_lists(args.prefill_gpus), gpu_lists(args.decode_gpus)
+    except ValueError as exc:
+        p.error(str(exc))
     return args, extra
 
 
@@ -312,11 +359,15 @@ def main(argv: list[str] | None = None) -> int:
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     children = build_children(args, run_dir, extra)
+    prefill_gpus, decode_gpus = gpu_lists(args.prefill_gpus), gpu_lists(args.decode_gpus)
+    gpus = placement(prefill_gpus, decode_gpus, args.prefill, args.decode)
+    shared = roles_share_a_gpu(prefill_gpus, decode_gpus)
     mps = None
-    if not args.colocated and (args.mps == "on" or (args.mps == "auto" and args.device.startswith("cuda"))):
+    auto = args.mps == "auto" and args.device.startswith("cuda") and shared
+    if not args.colocated and (args.mps == "on" or auto):
         prefill_share, decode_share = (int(x) for x in args.mps_split.split("/"))
         mps = Mps(run_dir, (prefill_share, decode_share))
-    return Supervisor(children, run_dir, env, args.grace, mps).run(f"{args.bind}:{args.port}")
+    return Supervisor(children, run_dir, env, args.grace, mps, gpus).run(f"{args.bind}:{args.port}")
 
 
 if __name__ == "__main__":

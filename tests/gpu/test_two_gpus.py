@@ -1,0 +1,44 @@
+"""Prefill on GPU 0, decode on GPU 1 (--prefill-gpus 0 --decode-gpus 1): the decode worker maps the prefill
+pool by CUDA IPC and pulls with peer copies; greedy tokens in fp32 equal transformers on the GPU; MPS stays off
+(no GPU is shared); every block comes back."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e.cluster import Cluster
+from tests.e2e.test_cluster import generate_all, tokens_of, wait_blocks_returned
+from tests.hf_reference import random_prompts
+from tests.kernels.test_engine_cuda import NEW_TOKENS, hf_greedy_cuda
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
+
+
+def visible_devices(pid: int) -> str:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"CUDA_VISIBLE_DEVICES=")), "")
+
+
+def test_prefill_and_decode_on_two_gpus_match_transformers(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    flags = ("--num-blocks", "512", "--prefill-gpus", "0", "--decode-gpus", "1")
+    cluster = Cluster(tiny_llama_dir, tmp_path / "run", 1, 1, *flags, device="cuda")
+    try:
+        cluster.wait_ready()
+        assert visible_devices(cluster.pid("prefill-0")) == "0"
+        assert visible_devices(cluster.pid("decode-0")) == "1,0"
+        prompts = random_prompts(1024, [1 + 9 * i for i in range(16)], seed=63)
+        responses = asyncio.run(generate_all(cluster.address, prompts, max_tokens=NEW_TOKENS))
+        expected, _ = hf_greedy_cuda(tiny_llama_dir, prompts)
+        assert [tokens_of(r) for r in responses] == expected
+        wait_blocks_returned(cluster)
+        assert cluster.stats("decode", 0)["counters"]["blocks_pulled"] > 0
+        assert not any("MPS on" in line for line in cluster.output)
+    finally:
+        cluster.stop()
