@@ -28,7 +28,7 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", required=True, help="folder of the cluster's ipc sockets")
     parser.add_argument("--num-prefill", type=int, default=1)
     parser.add_argument("--num-decode", type=int, default=1)
-    parser.add_argument("--transport", default="shm", choices=["shm", "cuda_ipc"])
+    parser.add_argument("--transport", default="shm", choices=["shm", "cuda_ipc", "dist"])
     parser.add_argument("--heartbeat-interval", type=float, default=0.25)
     parser.add_argument(
         "--metrics-port", type=int, default=None, help="Prometheus metrics on 127.0.0.1:PORT (0: any free port)"

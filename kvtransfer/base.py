@@ -37,8 +37,8 @@ import torch
 from kvtransfer.layout import KVLayout, check_compatible
 from kvtransfer.pool import KVPool
 
-Transport = Literal["shm", "cuda_ipc"]
-TRANSPORTS: tuple[Transport, ...] = ("shm", "cuda_ipc")
+Transport = Literal["shm", "cuda_ipc", "dist"]
+TRANSPORTS: tuple[Transport, ...] = ("shm", "cuda_ipc", "dist")
 
 
 class KVTransferError(RuntimeError):
@@ -106,7 +106,9 @@ class PullHandle:
 class _Remote(NamedTuple):
     descriptor: dict[str, Any]
     layout: KVLayout
-    tensor: torch.Tensor  # the remote pool [num_layers, 2, remote num_blocks, block_size, kv_heads, head_dim]
+    handle: Any
+    """What _attach returned: the mapped remote pool [num_layers, 2, remote num_blocks, block_size, kv_heads,
+    head_dim] (shm, cuda_ipc), or a connection to its source (dist)."""
 
 
 class KVTransferSink(ABC):
@@ -147,8 +149,8 @@ class KVTransferSink(ABC):
             return
         self.close(prefill_worker)
         remote_layout = self._remote_layout(descriptor)
-        tensor = self._attach(descriptor, remote_layout)
-        self._remotes[prefill_worker] = _Remote(dict(descriptor), remote_layout, tensor)
+        handle = self._attach(descriptor, remote_layout)
+        self._remotes[prefill_worker] = _Remote(dict(descriptor), remote_layout, handle)
 
     @torch.inference_mode()
     def pull(self, prefill_worker: int, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
@@ -163,11 +165,13 @@ class KVTransferSink(ABC):
         _check_block_ids(src_block_ids, dst_block_ids, remote.layout.num_blocks, self.layout.num_blocks)
         if not src_block_ids:
             return PullHandle()
-        return self._copy(remote.tensor, src_block_ids, dst_block_ids)
+        return self._copy(remote.handle, src_block_ids, dst_block_ids)
 
     def close(self, prefill_worker: int) -> None:
         """Drop the mapping of prefill_worker's pool (no-op if not open)."""
-        self._remotes.pop(prefill_worker, None)
+        remote = self._remotes.pop(prefill_worker, None)
+        if remote is not None:
+            self._detach(remote.handle)
 
     def close_all(self) -> None:
         for prefill_worker in list(self._remotes):
@@ -185,30 +189,35 @@ class KVTransferSink(ABC):
         return layout
 
     @abstractmethod
-    def _attach(self, descriptor: dict[str, Any], remote_layout: KVLayout) -> torch.Tensor:
-        """Map the remote pool; the result has remote_layout's shape and dtype."""
+    def _attach(self, descriptor: dict[str, Any], remote_layout: KVLayout) -> Any:
+        """Map the remote pool (a tensor of remote_layout's shape and dtype) or connect to its source."""
+
+    def _detach(self, handle: Any) -> None:  # noqa: B027 - optional hook
+        """Let go of what _attach returned (default: nothing to do beyond dropping it)."""
 
     @abstractmethod
-    def _copy(self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
+    def _copy(self, remote: Any, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
         """local[:, :, dst] = remote[:, :, src] (ids already checked): done, or enqueued and ordered before
         the caller's current stream, on return; the handle tells when the source blocks are no longer read."""
 
 
 def make_source(kind: str, pool: KVPool) -> KVTransferSource:
-    """The source of transport kind ("shm" | "cuda_ipc") over pool."""
+    """The source of transport kind ("shm" | "cuda_ipc" | "dist") over pool."""
     from kvtransfer.cuda_ipc import CudaIpcSource
+    from kvtransfer.dist import DistSource
     from kvtransfer.shm import ShmSource
 
-    sources: dict[str, type[KVTransferSource]] = {"shm": ShmSource, "cuda_ipc": CudaIpcSource}
+    sources: dict[str, type[KVTransferSource]] = {"shm": ShmSource, "cuda_ipc": CudaIpcSource, "dist": DistSource}
     return sources[_check_kind(kind)](pool)
 
 
 def make_sink(kind: str, local_pool: KVPool, layout: KVLayout) -> KVTransferSink:
-    """The sink of transport kind ("shm" | "cuda_ipc") copying into local_pool (of layout)."""
+    """The sink of transport kind ("shm" | "cuda_ipc" | "dist") copying into local_pool (of layout)."""
     from kvtransfer.cuda_ipc import CudaIpcSink
+    from kvtransfer.dist import DistSink
     from kvtransfer.shm import ShmSink
 
-    sinks: dict[str, type[KVTransferSink]] = {"shm": ShmSink, "cuda_ipc": CudaIpcSink}
+    sinks: dict[str, type[KVTransferSink]] = {"shm": ShmSink, "cuda_ipc": CudaIpcSink, "dist": DistSink}
     return sinks[_check_kind(kind)](local_pool, layout)
 
 

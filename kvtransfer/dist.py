@@ -1,0 +1,143 @@
+"""Cross-host transport: KV blocks travel over torch.distributed point-to-point (gloo; CPU pools) on one
+two-rank process group per prefill/decode pair. No hand-written sockets carry KV bytes.
+
+Neither side can read the other's memory, so a pull is a request the source answers:
+- The source hosts a TCPStore (its address is the descriptor) and a daemon thread that watches it for new
+  sessions; each sink that opens the pool registers a session id there and joins a fresh ProcessGroupGloo
+  (rank 1) under that prefix; the source's thread joins it as rank 0 and serves it from its own thread.
+- pull: the sink sends a header [n, src ids...] (tag 0), the source gathers those blocks of its pool and
+  sends them as one tensor (tag 1), the sink scatters them into its pool. Synchronous: the handle is done on
+  return, so the lease is released as with shm. A header with n = -1 ends the session.
+NOTE: the serving thread reads leased blocks only (the prefill worker never writes a leased block), so it
+needs no lock with the worker's loop.
+NOTE: the store binds `host` (loopback unless the worker is told otherwise): crossing hosts is an explicit
+opt-in, like every other socket of the cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import threading
+import uuid
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, PullHandle, descriptor_field
+from kvtransfer.layout import KVLayout
+from kvtransfer.pool import KVPool
+
+log = logging.getLogger(__name__)
+TIMEOUT = datetime.timedelta(seconds=30)
+HEADER_LEN = 1 + 1024
+"""Request header: [n, up to 1024 block ids] (padded)."""
+MAX_BLOCKS_PER_MESSAGE = HEADER_LEN - 1
+"""Blocks per request (a longer pull is split)."""
+HEADER_TAG, BLOCKS_TAG = 0, 1
+WATCH_INTERVAL_S = 0.02
+SESSIONS_KEY = "sessions"
+
+
+class DistSource(KVTransferSource):
+    """Serves pulls of a CPU pool to every sink that opens it, each on its own thread and process group."""
+
+    transport = "dist"
+
+    def __init__(self, pool: KVPool, host: str = "127.0.0.1") -> None:
+        if pool.device.type != "cpu":
+            raise KVTransferError("the dist transport serves CPU pools (gloo)")
+        super().__init__(pool)
+        self.host = host
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+        self.num_served = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, name="kv-dist-watch", daemon=True).start()
+
+    def _export(self) -> dict[str, Any]:
+        return {"host": self.host, "port": int(self.store.port)}
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        """Start a serving thread for each session a sink registers."""
+        seen = 0
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            count = self.store.add(SESSIONS_KEY, 0)
+            for n in range(seen + 1, count + 1):
+                session = self.store.get(f"{SESSIONS_KEY}/{n}").decode()
+                threading.Thread(target=self._serve, args=(session,), name=f"kv-dist-{n}", daemon=True).start()
+            seen = count
+
+    def _serve(self, session: str) -> None:
+        try:
+            group: Any = dist.ProcessGroupGloo(dist.PrefixStore(session, self.store), 0, 2, TIMEOUT)
+            header = torch.empty(HEADER_LEN, dtype=torch.int64)
+            while not self._stop.is_set():
+                group.recv([header], 1, HEADER_TAG).wait()
+                n = int(header[0])
+                if n < 0:
+                    return
+                blocks = self.pool.tensor.index_select(2, header[1 : 1 + n])  # [L, 2, n, block, heads, dim]
+                group.send([blocks], 1, BLOCKS_TAG).wait()
+                self.num_served += n
+        except RuntimeError as exc:  # NOTE: the sink went away (gloo reports a closed connection)
+            log.info("KV session %s ended: %s", session, exc)
+
+
+class _Session(NamedTuple):
+    group: Any  # dist.ProcessGroupGloo
+    layout: KVLayout
+
+
+class DistSink(KVTransferSink):
+    """Pulls blocks over a process group with each prefill worker's source (see the module docstring)."""
+
+    transport = "dist"
+
+    def __init__(self, local_pool: KVPool, layout: KVLayout) -> None:
+        if local_pool.device.type != "cpu":
+            raise KVTransferError(f"the dist transport copies into a CPU pool, not {local_pool.device}")
+        super().__init__(local_pool, layout)
+
+    def _attach(self, descriptor: dict[str, Any], remote_layout: KVLayout) -> _Session:
+        host, port = descriptor_field(descriptor, "host", str), descriptor_field(descriptor, "port", int)
+        session = uuid.uuid4().hex
+        try:
+            store = dist.TCPStore(host, port, is_master=False, timeout=TIMEOUT)
+            n = store.add(SESSIONS_KEY, 1)
+            store.set(f"{SESSIONS_KEY}/{n}", session)
+            group = dist.ProcessGroupGloo(dist.PrefixStore(session, store), 1, 2, TIMEOUT)
+        except RuntimeError as exc:
+            raise KVTransferError(f"cannot reach the KV source at {host}:{port}: {exc}") from None
+        return _Session(group, remote_layout)
+
+    def _detach(self, handle: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # NOTE: the source may be gone already
+            end = torch.zeros(HEADER_LEN, dtype=torch.int64)
+            end[0] = -1
+            handle.group.send([end], 0, HEADER_TAG).wait()
+
+    def _copy(self, remote: Any, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
+        for start in range(0, len(src_block_ids), MAX_BLOCKS_PER_MESSAGE):
+            src = src_block_ids[start : start + MAX_BLOCKS_PER_MESSAGE]
+            dst = torch.tensor(dst_block_ids[start : start + MAX_BLOCKS_PER_MESSAGE], dtype=torch.long)
+            self._pull_chunk(remote, src, dst)
+        return PullHandle()
+
+    def _pull_chunk(self, remote: _Session, src: list[int], dst: torch.Tensor) -> None:
+        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+        header[0] = len(src)
+        header[1 : 1 + len(src)] = torch.tensor(src, dtype=torch.int64)
+        shape = list(self.layout.shape)
+        shape[2] = len(src)
+        blocks = torch.empty(shape, dtype=self.layout.torch_dtype)
+        try:
+            remote.group.send([header], 0, HEADER_TAG).wait()
+            remote.group.recv([blocks], 0, BLOCKS_TAG).wait()
+        except RuntimeError as exc:
+            raise KVTransferError(f"KV pull failed: {exc}") from None
+        self.local_pool.tensor.index_copy_(2, dst, blocks)

@@ -1,0 +1,72 @@
+"""The dist transport (gloo point-to-point, kvtransfer/dist.py): a sink pulls exact blocks from a source's
+pool, several pulls and several sinks at once, pulls longer than one message, a refused layout; a sink whose
+source is gone gets KVTransferError. (Between real processes: tests/e2e/test_cluster_dist.py.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import msgpack
+import pytest
+import torch
+
+from kvtransfer import dist as kvdist
+from kvtransfer.base import KVTransferError, make_sink, make_source
+from kvtransfer.layout import KVLayout, LayoutMismatchError
+from kvtransfer.pool import allocate_kv_pool
+
+LAYOUT = KVLayout(model="tiny", dtype="float32", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8, num_blocks=32)
+SINK = replace(LAYOUT, num_blocks=20)
+
+
+@pytest.fixture
+def source() -> Iterator[kvdist.DistSource]:
+    pool = allocate_kv_pool(LAYOUT, "cpu", shared=False)
+    pool.tensor.copy_(torch.randn(LAYOUT.shape))
+    src = make_source("dist", pool)
+    assert isinstance(src, kvdist.DistSource)
+    yield src
+    src.close()
+
+
+def descriptor(source: kvdist.DistSource) -> dict:
+    return msgpack.unpackb(msgpack.packb(source.descriptor()), raw=False)  # NOTE: as it travels
+
+
+def test_pulls_copy_exact_blocks_for_several_sinks(source: kvdist.DistSource) -> None:
+    sinks = [make_sink("dist", allocate_kv_pool(SINK, "cpu", shared=False), SINK) for _ in range(2)]
+    for i, sink in enumerate(sinks):
+        sink.open(0, descriptor(source))
+        src, dst = [31, 3 + i, 17, 0], [1, 19, 5, 6]
+        assert sink.pull(0, src, dst).done()
+        got = sink.local_pool.tensor
+        assert torch.equal(got[:, :, dst], source.pool.tensor[:, :, src])
+        assert not got[:, :, [b for b in range(20) if b not in dst]].any()
+    for sink in sinks:
+        sink.close_all()
+
+
+def test_a_pull_longer_than_one_message_is_split(source: kvdist.DistSource, monkeypatch: pytest.MonkeyPatch) -> None:
+    sink = make_sink("dist", allocate_kv_pool(SINK, "cpu", shared=False), SINK)
+    sink.open(0, descriptor(source))
+    monkeypatch.setattr(kvdist, "MAX_BLOCKS_PER_MESSAGE", 3)
+    src, dst = list(range(10, 17)), list(range(1, 8))
+    sink.pull(0, src, dst)
+    assert torch.equal(sink.local_pool.tensor[:, :, dst], source.pool.tensor[:, :, src])
+    sink.close_all()
+
+
+def test_a_mismatched_layout_is_refused_before_connecting(source: kvdist.DistSource) -> None:
+    other = replace(SINK, dtype="bfloat16")
+    sink = make_sink("dist", allocate_kv_pool(other, "cpu", shared=False), other)
+    with pytest.raises(LayoutMismatchError, match="dtype bfloat16 != float32"):
+        sink.open(0, descriptor(source))
+
+
+def test_an_unreachable_source_is_a_transfer_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kvdist, "TIMEOUT", kvdist.datetime.timedelta(seconds=1))
+    sink = make_sink("dist", allocate_kv_pool(SINK, "cpu", shared=False), SINK)
+    desc = {"transport": "dist", "fingerprint": LAYOUT.fingerprint(), "num_blocks": 32, "shape": list(LAYOUT.shape)}
+    with pytest.raises(KVTransferError, match="cannot reach the KV source"):
+        sink.open(0, {**desc, "host": "127.0.0.1", "port": 1})
