@@ -4,13 +4,17 @@ Every process of one cluster lives under one run directory; each receiving socke
 router.sock (router, PULL), prefill-{i}.sock (prefill worker i, PULL), prefill-{i}.handshake.sock
 (prefill worker i, REP), decode-{j}.sock (decode worker j, PULL). Senders connect PUSH sockets.
 Each worker also binds {role}-{i}.kv.sock (PUB: its KV cache events), to which the router connects a SUB.
+A cluster spread over hosts has a topology.json in each host's run dir: the same sockets are then TCP (Topology).
 
 NOTE: no torch here: the router imports this module.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -20,24 +24,91 @@ from core.messages import MAX_MESSAGE_BYTES, Message, MessageError, decode, enco
 log = logging.getLogger(__name__)
 
 
+TOPOLOGY_FILE = "topology.json"
+"""In a run dir: which host each process of a cluster spread over hosts runs on (see Topology)."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """A cluster over several hosts: every socket is tcp://HOST:PORT instead of an ipc:// path, each process
+    binding its own on the host the topology names for it (so binding beyond loopback is explicit, here).
+
+    Ports from base_port: router inbox +0; prefill i: inbox +100+10i, handshake +1, KV events +2;
+    decode j: inbox +5000+10j, KV events +2.
+    """
+
+    router: str
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    base_port: int = 7000
+
+    @classmethod
+    def read(cls, path: str | Path) -> Topology:
+        """From JSON {"router": host, "prefill": [hosts], "decode": [hosts], "base_port": int}; ValueError."""
+        try:
+            raw = json.loads(Path(path).read_text())
+            topo = cls(str(raw["router"]), tuple(map(str, raw["prefill"])), tuple(map(str, raw["decode"])),
+                       int(raw.get("base_port", 7000)))  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"bad topology {path}: {exc}") from None
+        if not topo.decode or not 1024 <= topo.base_port < 65536 - 5000 - 10 * len(topo.decode):
+            raise ValueError(f"bad topology {path}: no decode host or base_port {topo.base_port} out of range")
+        return topo
+
+    def host(self, role: str, worker: int = 0) -> str:
+        return self.router if role == "router" else (self.prefill if role == "prefill" else self.decode)[worker]
+
+    def address(self, role: str, worker: int, socket: str) -> str:
+        """socket: inbox | handshake | kv."""
+        base = {"router": 0, "prefill": 100 + 10 * worker, "decode": 5000 + 10 * worker}[role]
+        return f"tcp://{self.host(role, worker)}:{self.base_port + base + SOCKET_OFFSETS[socket]}"
+
+    @property
+    def num_hosts(self) -> int:
+        return len({self.router, *self.prefill, *self.decode})
+
+
+SOCKET_OFFSETS = {"inbox": 0, "handshake": 1, "kv": 2}
+
+
+@functools.cache
+def topology(run_dir: str) -> Topology | None:
+    """The run dir's topology (None: one host, ipc:// sockets)."""
+    path = Path(run_dir) / TOPOLOGY_FILE
+    return Topology.read(path) if path.exists() else None
+
+
+def _addr(run_dir: str | Path, role: str, worker: int, socket: str, ipc_name: str) -> str:
+    topo = topology(str(run_dir))
+    if topo is not None:
+        return topo.address(role, worker, socket)
+    return f"ipc://{Path(run_dir) / ipc_name}"
+
+
 def router_addr(run_dir: str | Path) -> str:
-    return f"ipc://{Path(run_dir) / 'router.sock'}"
+    return _addr(run_dir, "router", 0, "inbox", "router.sock")
 
 
 def prefill_addr(run_dir: str | Path, worker: int) -> str:
-    return f"ipc://{Path(run_dir) / f'prefill-{worker}.sock'}"
+    return _addr(run_dir, "prefill", worker, "inbox", f"prefill-{worker}.sock")
 
 
 def handshake_addr(run_dir: str | Path, worker: int) -> str:
-    return f"ipc://{Path(run_dir) / f'prefill-{worker}.handshake.sock'}"
+    return _addr(run_dir, "prefill", worker, "handshake", f"prefill-{worker}.handshake.sock")
 
 
 def decode_addr(run_dir: str | Path, worker: int) -> str:
-    return f"ipc://{Path(run_dir) / f'decode-{worker}.sock'}"
+    return _addr(run_dir, "decode", worker, "inbox", f"decode-{worker}.sock")
 
 
 def kv_events_addr(run_dir: str | Path, role: str, worker: int) -> str:
-    return f"ipc://{Path(run_dir) / f'{role}-{worker}.kv.sock'}"
+    return _addr(run_dir, role, worker, "kv", f"{role}-{worker}.kv.sock")
+
+
+def host_of(run_dir: str | Path, role: str, worker: int) -> str:
+    """The host a process binds on: its topology host, or loopback."""
+    topo = topology(str(run_dir))
+    return "127.0.0.1" if topo is None else topo.host(role, worker)
 
 
 KV_EVENTS_HWM = 10_000

@@ -201,14 +201,16 @@ class KVTransferSink(ABC):
         the caller's current stream, on return; the handle tells when the source blocks are no longer read."""
 
 
-def make_source(kind: str, pool: KVPool) -> KVTransferSource:
-    """The source of transport kind ("shm" | "cuda_ipc" | "dist") over pool."""
+def make_source(kind: str, pool: KVPool, host: str = "127.0.0.1") -> KVTransferSource:
+    """The source of transport kind ("shm" | "cuda_ipc" | "dist") over pool; host: where a dist source listens."""
     from kvtransfer.cuda_ipc import CudaIpcSource
     from kvtransfer.dist import DistSource
     from kvtransfer.shm import ShmSource
 
-    sources: dict[str, type[KVTransferSource]] = {"shm": ShmSource, "cuda_ipc": CudaIpcSource, "dist": DistSource}
-    return sources[_check_kind(kind)](pool)
+    if _check_kind(kind) == "dist":
+        return DistSource(pool, host)
+    sources: dict[str, type[KVTransferSource]] = {"shm": ShmSource, "cuda_ipc": CudaIpcSource}
+    return sources[kind](pool)
 
 
 def make_sink(kind: str, local_pool: KVPool, layout: KVLayout) -> KVTransferSink:

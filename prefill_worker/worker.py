@@ -74,7 +74,7 @@ class PrefillWorker(WorkerBase):
         self.warm_up()
         self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
         assert self.kv_pool is not None
-        self.source: KVTransferSource = make_source(transport, self.kv_pool)
+        self.source: KVTransferSource = make_source(transport, self.kv_pool, ipc.host_of(run_dir, "prefill", worker_id))
         log.info("KV transport %s, %d blocks of %d tokens", transport, self.layout.num_blocks, self.layout.block_size)
         self.leases: LeaseTable = LeaseTable()
         self.handshake = self.ctx.socket(zmq.REP)

@@ -115,6 +115,18 @@ def _metrics_flag(args: argparse.Namespace, offset: int) -> list[str]:
     return ["--metrics-port", str(args.metrics_port + offset if args.metrics_port else 0)]
 
 
+def read_topology(path: Path, num_prefill: int, num_decode: int) -> dict[str, object]:
+    """The topology JSON (core/ipc.py Topology), checked against the worker counts; ValueError."""
+    try:
+        topo = json.loads(path.read_text())
+        hosts = (topo["router"], topo["prefill"], topo["decode"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"bad topology {path}: {exc}") from None
+    if not isinstance(hosts[0], str) or [len(hosts[1]), len(hosts[2])] != [num_prefill, num_decode]:
+        raise ValueError(f"topology {path} names {hosts} for {num_prefill} prefill and {num_decode} decode workers")
+    return dict(topo)
+
+
 def gpu_lists(spec: str | None) -> list[str] | None:
     """'0,1' -> ['0', '1']; None or '' -> None (the default device placement)."""
     if not spec:
@@ -245,11 +257,24 @@ class Supervisor:
     def _check_ready(self, address: str) -> None:
         if self.ready:
             return
-        router = self.children[0]
+        router = next((c for c in self.children if c.name == "router"), None)
+        if router is None:  # NOTE: a host of workers only (--roles): ready once each has heartbeaten
+            if all(self._heartbeat_pid(c) == (c.proc.pid if c.proc else None) for c in self.children):
+                self.ready = True
+                names = ", ".join(c.name for c in self.children)
+                print(f"pdserve workers ready: {names} (run dir {self.run_dir})", flush=True)
+            return
         # NOTE: logs are appended to: only what this run's router wrote counts (a reused run dir holds old lines)
         if router.log_path.exists() and READY_MARK in router.log_text_since_start():
             self.ready = True
             print(f"pdserve cluster ready on {address} (run dir {self.run_dir})", flush=True)
+
+    def _heartbeat_pid(self, child: Child) -> int | None:
+        """The pid in child's latest heartbeat stats (None before the first)."""
+        try:
+            return int(json.loads((self.run_dir / "stats" / f"{child.name}.json").read_text())["pid"])
+        except (OSError, ValueError, KeyError):
+            return None
 
     def _write_status(self) -> None:
         status = {"pid": os.getpid(), "ready": self.ready, "roles": [c.status() for c in self.children]}
@@ -263,8 +288,9 @@ class Supervisor:
     def _shutdown(self) -> None:
         # NOTE: the router first: it refuses new calls and lets streams in flight finish within its grace,
         # which needs the workers still up; only then are the workers stopped.
-        router, workers = self.children[0], self.children[1:]
-        _terminate([router], self.grace + STOP_MARGIN_S)
+        router = [c for c in self.children if c.name == "router"]
+        workers = [c for c in self.children if c.name != "router"]
+        _terminate(router, self.grace + STOP_MARGIN_S)
         _terminate(workers, STOP_MARGIN_S)
         if self.mps is not None:
             self.mps.stop(self.env)
@@ -291,7 +317,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--transport", default=None, help="shm | cuda_ipc (default: cuda_ipc on cuda, else shm)")
+    p.add_argument(
+        "--transport", default=None, help="shm | cuda_ipc | dist (default: dist over hosts, cuda_ipc on cuda, else shm)"
+    )
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--bind", default="127.0.0.1")
     p.add_argument("--run-dir", default=None)
@@ -335,9 +363,24 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--decode-gpus", default=None, help="GPUs of the decode workers; MPS (auto) only where roles share a GPU"
     )
+    p.add_argument(
+        "--topology",
+        default=None,
+        help="JSON {router: host, prefill: [hosts], decode: [hosts], base_port}: a cluster over several hosts, "
+        "TCP between its processes (docs/deployment.md)",
+    )
+    p.add_argument("--roles", default=None, help="start only these processes here, e.g. router or prefill-0,decode-0")
     args, extra = p.parse_known_args(argv)
+    topology = None
+    if args.topology is not None:
+        try:
+            topology = read_topology(Path(args.topology), args.prefill, args.decode)
+        except ValueError as exc:
+            p.error(str(exc))
+    args.topology_json = topology
     if args.transport is None:
-        args.transport = "cuda_ipc" if args.device.startswith("cuda") else "shm"
+        spread = topology is not None and len({topology["router"], *topology["prefill"], *topology["decode"]}) > 1
+        args.transport = "dist" if spread else "cuda_ipc" if args.device.startswith("cuda") else "shm"
     if args.colocated:
         args.prefill = 0
     elif args.prefill < 1:
@@ -359,6 +402,15 @@ def main(argv: list[str] | None = None) -> int:
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     children = build_children(args, run_dir, extra)
+    if args.topology_json is not None:  # NOTE: every process reads it from its run dir (core/ipc.py)
+        (run_dir / "topology.json").write_text(json.dumps(args.topology_json))
+    if args.roles:
+        wanted = {r.strip() for r in args.roles.split(",") if r.strip()}
+        unknown = wanted - {c.name for c in children}
+        if unknown:
+            print(f"pdserve: unknown roles {sorted(unknown)}", file=sys.stderr)
+            return STARTUP_ERROR_EXIT
+        children = [c for c in children if c.name in wanted]
     prefill_gpus, decode_gpus = gpu_lists(args.prefill_gpus), gpu_lists(args.decode_gpus)
     gpus = placement(prefill_gpus, decode_gpus, args.prefill, args.decode)
     shared = roles_share_a_gpu(prefill_gpus, decode_gpus)
