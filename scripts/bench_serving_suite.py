@@ -207,6 +207,19 @@ def part_interference(model: Path, out: Path) -> None:
     with_cluster(model, out, "colocated", [*WORKER_FLAGS, *COLOCATED_FLAGS], runs)
 
 
+def part_two_gpus(model: Path, out: Path) -> None:
+    """Issue 9: the interference runs with prefill on GPU 0 and decode on GPU 1 (no MPS: no GPU is shared), and
+    colocated on the same two GPUs (one worker per GPU, each prefilling its own requests)."""
+    runs = [
+        ("interference-2gpu-disagg", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"]),
+        ("interference-2gpu-decode-only", [*INTERFERENCE, "--long-rate", "0", "--duration", "10"]),
+    ]
+    with_cluster(model, out, "2gpu-disagg", [*WORKER_FLAGS, "--prefill-gpus", "0", "--decode-gpus", "1"], runs)
+    colocated = [*WORKER_FLAGS, *COLOCATED_FLAGS, "--decode", "2", "--decode-gpus", "0,1"]
+    runs = [("interference-2gpu-colocated", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"])]
+    with_cluster(model, out, "2gpu-colocated", colocated, runs)
+
+
 def part_throughput(model: Path, out: Path) -> None:
     """The random load with every request at once (the most each system sustains), disaggregated and colocated."""
     burst = [*RANDOM[: RANDOM.index("--request-rate")], "--num-prompts", "200", "--request-rate", "inf", *GOODPUT]
@@ -234,6 +247,7 @@ COMMANDS = [
 ] + ["python scripts/bench_serving_suite.py --part summarize --results RESULTS --out bench/results/serving_h200"]
 HEADLINE = {
     "interference": ("interference-disagg", "interference-decode-only", "interference-colocated"),
+    "interference_2gpu": tuple(f"interference-2gpu-{k}" for k in ("disagg", "decode-only", "colocated")),
     "shared_prefix": tuple(f"shared-{c}-rate{r}" for c in ("cache", "nocache") for r in SHARED_RATES),
     "exact_hit": ("exact-hit",),
     "throughput": ("random-disagg", "random-colocated", "random-transformers", "burst-disagg", "burst-colocated"),
@@ -267,7 +281,7 @@ def summarize(results: Path, dest: Path, gpu: str) -> dict[str, Any]:
             if not path.exists():
                 continue
             report = json.loads(path.read_text())
-            tag = "short" if group == "interference" else None
+            tag = "short" if group.startswith("interference") else None
             metrics = report["metrics_by_tag"][tag] if tag else report["metrics"]
             row = {k: metrics.get(k) for k in KEYS} | {"worker_step_ms": report.get("worker_step_ms")}
             if group in ("routing", "conditional"):
@@ -285,7 +299,8 @@ def summarize(results: Path, dest: Path, gpu: str) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["disagg", "shared", "colocated", "interference", "throughput", "routing", "conditional", "summarize"]
+    names = ["disagg", "shared", "colocated", "interference", "throughput", "routing", "conditional", "two_gpus"]
+    names.append("summarize")
     p.add_argument("--part", choices=names, required=True)
     p.add_argument("--results", default=None, help="summarize: the folder of the runs' JSON files")
     p.add_argument("--gpu", default=None, help="summarize: the GPU the runs had (default: each report's)")
@@ -311,6 +326,7 @@ def main() -> int:
         "routing": part_routing,
         "shared": part_shared,
         "conditional": part_conditional,
+        "two_gpus": part_two_gpus,
     }
     parts[args.part](model, out)
     return 0
