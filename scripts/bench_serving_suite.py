@@ -155,6 +155,11 @@ def part_shared(model: Path, out: Path) -> None:
     with_cluster(model, out, "disagg-nocache", [*WORKER_FLAGS, "--no-prefix-caching"], shared_prefix_runs("nocache"))
 
 
+def part_exact(model: Path, out: Path) -> None:
+    """The exact whole-prompt hit alone (TTFT end to end through gRPC)."""
+    with_cluster(model, out, "disagg", WORKER_FLAGS, [("exact-hit", EXACT)])
+
+
 def part_disagg(model: Path, out: Path) -> None:
     runs = [
         ("interference-disagg", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"]),
@@ -299,7 +304,17 @@ def summarize(results: Path, dest: Path, gpu: str) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = ["disagg", "shared", "colocated", "interference", "throughput", "routing", "conditional", "two_gpus"]
+    names = [
+        "disagg",
+        "shared",
+        "colocated",
+        "interference",
+        "throughput",
+        "routing",
+        "conditional",
+        "two_gpus",
+        "exact",
+    ]
     names.append("summarize")
     p.add_argument("--part", choices=names, required=True)
     p.add_argument("--results", default=None, help="summarize: the folder of the runs' JSON files")
@@ -327,6 +342,7 @@ def main() -> int:
         "shared": part_shared,
         "conditional": part_conditional,
         "two_gpus": part_two_gpus,
+        "exact": part_exact,
     }
     parts[args.part](model, out)
     return 0
