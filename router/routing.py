@@ -12,7 +12,6 @@ except by a prompt it holds whole (a full hit, or a copy of one in flight there)
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -91,7 +90,7 @@ class PendingPrefixes:
 
     def __init__(self) -> None:
         self._requests: dict[str, tuple[int, Sequence[int]]] = {}
-        self._holders: defaultdict[int, Counter[int]] = defaultdict(Counter)
+        self._holders: dict[int, dict[int, int]] = {}  # hash -> worker -> requests (plain dicts: per request)
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -99,8 +98,13 @@ class PendingPrefixes:
     def add(self, request_id: str, worker: int, hashes: Sequence[int]) -> None:
         self.remove(request_id)
         self._requests[request_id] = (worker, hashes)
+        holders = self._holders
         for h in hashes:
-            self._holders[h][worker] += 1
+            counts = holders.get(h)
+            if counts is None:
+                holders[h] = {worker: 1}
+            else:
+                counts[worker] = counts.get(worker, 0) + 1
 
     def remove(self, request_id: str) -> None:
         entry = self._requests.pop(request_id, None)
@@ -108,11 +112,13 @@ class PendingPrefixes:
             return
         worker, hashes = entry
         for h in hashes:
-            holders = self._holders[h]
-            holders[worker] -= 1
-            if holders[worker] <= 0:
-                del holders[worker]
-            if not holders:
+            counts = self._holders[h]
+            left = counts[worker] - 1
+            if left > 0:
+                counts[worker] = left
+                continue
+            del counts[worker]
+            if not counts:
                 del self._holders[h]
 
     def match(self, hashes: Sequence[int]) -> dict[int, int]:
