@@ -76,9 +76,10 @@ class RequestValidator:
             raise ValidationError(
                 f"prompt of {len(token_ids)} tokens leaves no room in the model's context of {max_len} tokens"
             )
-        bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValidationError(f"token id {token_ids[bad]} at position {bad} outside the vocabulary [0, {vocab})")
+        if min(token_ids) >= 0 and max(token_ids) < vocab:  # NOTE: builtins: ~10x the per-token scan below
+            return
+        bad = next(i for i, t in enumerate(token_ids) if not 0 <= t < vocab)
+        raise ValidationError(f"token id {token_ids[bad]} at position {bad} outside the vocabulary [0, {vocab})")
 
 
 def sampling_params(p: pb.SamplingParams) -> SamplingParams:
