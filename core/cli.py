@@ -23,6 +23,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode passes")
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", type=int, required=True)
     parser.add_argument("--run-dir", required=True, help="folder of the cluster's ipc sockets")
@@ -30,6 +33,9 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-decode", type=int, default=1)
     parser.add_argument("--transport", default="shm", choices=["shm", "cuda_ipc", "dist"])
     parser.add_argument("--heartbeat-interval", type=float, default=0.25)
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="WARNING drops the per-request lines"
+    )
     parser.add_argument(
         "--metrics-port", type=int, default=None, help="Prometheus metrics on 127.0.0.1:PORT (0: any free port)"
     )

@@ -23,7 +23,7 @@ def main(role: str, factory: WorkerFactory, argv: list[str] | None = None) -> in
     if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 2):
         parser.error("--block-size must be >= 1 and --num-blocks >= 2")
     logging.basicConfig(
-        level=logging.INFO,
+        level=args.log_level,
         format=f"%(asctime)s {role}-{args.worker_id} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

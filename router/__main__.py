@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument(
         "--metrics-port", type=int, default=None, help="Prometheus metrics on 127.0.0.1:PORT (0: any free port)"
     )
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     args = p.parse_args(argv)
     if args.prefill < 0 or args.decode < 1:
         p.error("--prefill must be >= 0 and --decode >= 1")

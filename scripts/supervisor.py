@@ -83,7 +83,7 @@ def build_children(args: argparse.Namespace, run_dir: Path, extra: list[str]) ->
     py = sys.executable
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    common = ["--model", args.model, "--run-dir", str(run_dir)]
+    common = ["--model", args.model, "--run-dir", str(run_dir), "--log-level", args.log_level]
     worker = [*common, "--device", args.device, "--transport", args.transport, "--block-size", str(args.block_size)]
     worker += extra
     worker += ["--num-prefill", str(args.prefill), "--num-decode", str(args.decode)]
@@ -368,6 +368,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         default=None,
         help="JSON {router: host, prefill: [hosts], decode: [hosts], base_port}: a cluster over several hosts, "
         "TCP between its processes (docs/deployment.md)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="every process; WARNING drops the per-request lines",
     )
     p.add_argument("--roles", default=None, help="start only these processes here, e.g. router or prefill-0,decode-0")
     args, extra = p.parse_known_args(argv)

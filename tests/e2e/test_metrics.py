@@ -106,3 +106,15 @@ def test_a_restarted_worker_reports_its_restart(cluster: Cluster) -> None:
             return False
 
     cluster.wait_for(restarted, 20.0, "decode-0's metrics to report 1 restart")
+
+
+def test_log_level_warning_drops_the_per_request_lines(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    with running(tiny_llama_dir, tmp_path / "run", 1, 1, "--num-blocks", "64", "--log-level", "warning") as quiet:
+        req = greedy_request([31, 32, 33], MAX_TOKENS)
+        req.request_id = "quiet-1"
+        assert len(tokens_of(asyncio.run(stream(quiet.address, req)))) == MAX_TOKENS
+        wait_blocks_returned(quiet)
+        logs = {
+            name: (quiet.run_dir / "logs" / f"{name}.log").read_text() for name in ("router", "prefill-0", "decode-0")
+        }
+    assert all("quiet-1" not in text for text in logs.values()), logs
