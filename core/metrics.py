@@ -84,8 +84,13 @@ class WorkerMetrics:
         self.handoff_latency = handoff.labels(role, str(worker_id))
 
     def serve(self, port: int, path: Path) -> int:
-        """Listen on 127.0.0.1:port (0: any free one) in a daemon thread; write the port to path; the port."""
-        server, _ = start_http_server(port, addr="127.0.0.1", registry=self.registry)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(str(server.server_port))
-        return int(server.server_port)
+        return serve_registry(self.registry, port, path)
+
+
+def serve_registry(registry: CollectorRegistry, port: int, path: Path) -> int:
+    """Serve registry on 127.0.0.1:port (0: any free one) from a daemon thread; write the port to path; the
+    port. NOTE: the router uses it too (this module imports no torch)."""
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(str(server.server_port))
+    return int(server.server_port)

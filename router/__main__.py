@@ -11,7 +11,7 @@ from router.config import RouterConfig
 from router.server import StartupError, serve
 
 
-def parse_args(argv: list[str] | None = None) -> RouterConfig:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m router", description="pdserve router: gRPC front end of the cluster")
     p.add_argument("--model", required=True, help="model folder (config.json, tokenizer.json, chat template)")
     p.add_argument("--run-dir", required=True, help="the cluster's run directory (ipc sockets)")
@@ -40,6 +40,11 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         "--metrics-port", type=int, default=None, help="Prometheus metrics on 127.0.0.1:PORT (0: any free port)"
     )
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> RouterConfig:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.prefill < 0 or args.decode < 1:
         p.error("--prefill must be >= 0 and --decode >= 1")

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from core.metrics import serve_registry
 from router.workers import WorkerHub
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -72,11 +73,7 @@ class RouterMetrics:
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens streamed to clients.", registry=r)
 
     def serve(self, port: int, path: Path) -> int:
-        """Listen on 127.0.0.1:port (0: any free one) in a daemon thread; write the port to path; the port."""
-        server, _ = start_http_server(port, addr="127.0.0.1", registry=self.registry)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(str(server.server_port))
-        return int(server.server_port)
+        return serve_registry(self.registry, port, path)
 
 
 class StreamClock:

@@ -60,8 +60,6 @@ class TrackedRequest:
     """KV blocks reserved for it at its decode worker (router/admission.py)."""
     decode_started: bool = False
     """A token of the current attempt came from its decode worker: the handoff is done."""
-    placed: bool = False
-    """Its current attempt is on workers (counted in the table)."""
 
     @property
     def worker_request_id(self) -> str:
@@ -106,7 +104,7 @@ class RequestTable:
     ) -> None:  # fmt: skip
         """Put req's current attempt on these workers (unplace it first if it is on others)."""
         req.prefill_worker, req.decode_worker, req.prefill_tokens = prefill_worker, decode_worker, prefill_tokens
-        req.at_prefill, req.reserved_blocks, req.placed, req.decode_started = True, reserved_blocks, True, False
+        req.at_prefill, req.reserved_blocks, req.decode_started = True, reserved_blocks, False
         self.by_worker_id[req.worker_request_id] = req
         self.num_at_prefill[prefill_worker] += 1
         self.tokens_at_prefill[prefill_worker] += prefill_tokens
@@ -115,10 +113,9 @@ class RequestTable:
 
     def unplace(self, req: TrackedRequest) -> None:
         """Take req's current attempt off its workers' counts (it is lost, or it ended); once only."""
-        if not req.placed:
+        if self.by_worker_id.get(req.worker_request_id) is not req:
             return
-        req.placed = False
-        self.by_worker_id.pop(req.worker_request_id, None)
+        del self.by_worker_id[req.worker_request_id]
         self.mark_past_prefill(req)
         self.num_at_decode[req.decode_worker] -= 1
         self.reserved_at_decode[req.decode_worker] -= req.reserved_blocks

@@ -25,7 +25,7 @@ from router.dispatch import NoWorkerError
 from router.metrics import RouterMetrics, StreamClock
 from router.model_info import ModelSpec
 from router.requests import DuplicateRequestError, TrackedRequest, WorkerLost
-from router.stream import ResponseBuilder, TokenReorderer, merge
+from router.stream import FINISH_REASONS, ResponseBuilder, TokenReorderer, merge
 from router.tokenizer import RouterTokenizer
 from router.validation import RequestValidator, ValidationError
 from router.workers import WorkerHub
@@ -52,7 +52,7 @@ with the heartbeat timeout (2 s) a stream that cannot move ends UNAVAILABLE with
 MIGRATION_POLL_S = 0.05
 
 
-FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
 
 
 @dataclasses.dataclass
@@ -67,10 +67,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def __init__(
         self, model: ModelSpec, tokenizer: RouterTokenizer, hub: WorkerHub, block_size: int | None,
-        max_migrations: int = 0, metrics: RouterMetrics | None = None,
+        max_migrations: int, metrics: RouterMetrics,
     ) -> None:  # fmt: skip
         self.max_migrations = max_migrations
-        self.metrics = metrics or RouterMetrics(hub)
+        self.metrics = metrics
         self.model = model
         self.tokenizer = tokenizer
         self.validator = RequestValidator(model, tokenizer)

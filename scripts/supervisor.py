@@ -324,18 +324,33 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--bind", default="127.0.0.1")
     p.add_argument("--run-dir", default=None)
     p.add_argument(
-        "--mps",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="MPS SM partitioning between roles sharing a GPU (auto: on for --device cuda)",
-    )
-    p.add_argument("--mps-split", default="50/50", help="SM share in percent, prefill/decode (default 50/50)")
-    p.add_argument(
         "--colocated",
         action="store_true",
         help="no prefill workers: each decode worker prefills its own requests (the benchmarks' baseline)",
     )
     p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens) of every worker")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9400,
+        help="Prometheus metrics on 127.0.0.1: router at this port, prefill i at +1+i, decode j at +1+P+j "
+        "(0: free ports, written to RUN_DIR/metrics/; -1: off)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="every process; WARNING drops the per-request lines",
+    )
+    _add_router_args(p)
+    _add_placement_args(p)
+    args, extra = p.parse_known_args(argv)
+    _check_args(p, args)
+    return args, extra
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=5.0, help="router: seconds streams get to finish on SIGTERM")
     p.add_argument("--routing", choices=["prefix", "round_robin"], default="prefix", help="router: prefill choice")
     p.add_argument(
@@ -352,13 +367,17 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--max-queued", type=int, default=1024, help="router: requests that may wait for KV room (more: refused)"
     )
+
+
+def _add_placement_args(p: argparse.ArgumentParser) -> None:
+    """Where the processes run: MPS, GPUs, hosts."""
     p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=9400,
-        help="Prometheus metrics on 127.0.0.1: router at this port, prefill i at +1+i, decode j at +1+P+j "
-        "(0: free ports, written to RUN_DIR/metrics/; -1: off)",
+        "--mps",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="MPS SM partitioning between roles sharing a GPU (auto: on for --device cuda)",
     )
+    p.add_argument("--mps-split", default="50/50", help="SM share in percent, prefill/decode (default 50/50)")
     p.add_argument("--prefill-gpus", default=None, help="GPUs of the prefill workers, e.g. 0 or 0,1 (round robin)")
     p.add_argument(
         "--decode-gpus", default=None, help="GPUs of the decode workers; MPS (auto) only where roles share a GPU"
@@ -369,15 +388,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help="JSON {router: host, prefill: [hosts], decode: [hosts], base_port}: a cluster over several hosts, "
         "TCP between its processes (docs/deployment.md)",
     )
-    p.add_argument(
-        "--log-level",
-        default="INFO",
-        type=str.upper,
-        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-        help="every process; WARNING drops the per-request lines",
-    )
     p.add_argument("--roles", default=None, help="start only these processes here, e.g. router or prefill-0,decode-0")
-    args, extra = p.parse_known_args(argv)
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Cross-flag checks and derived values (transport, topology, colocated)."""
     topology = None
     if args.topology is not None:
         try:
@@ -398,7 +413,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         gpu_lists(args.prefill_gpus), gpu_lists(args.decode_gpus)
     except ValueError as exc:
         p.error(str(exc))
-    return args, extra
 
 
 def main(argv: list[str] | None = None) -> int:
