@@ -184,6 +184,7 @@ class EngineConfig:
     """auto: the Triton kernels on CUDA, the torch reference elsewhere."""
     enforce_eager: bool = False
     """Run every pass eagerly; otherwise (CUDA, Triton backend) decode passes and prefill passes of up to
-    PREFILL_GRAPH_TOKENS[-1] tokens replay captured CUDA graphs (core/cuda_graphs.py, core/prefill_graphs.py)."""
+    max_num_batched_tokens (at most 4096) tokens replay captured CUDA graphs (core/cuda_graphs.py,
+    core/prefill_graphs.py)."""
     capture_decode: bool = True
     """Capture decode graphs (a prefill worker, which hands requests off after their first token, needs none)."""

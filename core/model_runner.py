@@ -110,7 +110,9 @@ class ModelRunner:
         return graphs
 
     def _capture_prefill_graphs(self, max_blocks: int) -> PrefillGraphs:
-        graphs = PrefillGraphs(self._prefill_forward, self.backend, max_blocks, self.cfg.cache.block_size, self.device)
+        max_tokens = self.cfg.scheduler.max_num_batched_tokens
+        block_size = self.cfg.cache.block_size
+        graphs = PrefillGraphs(self._prefill_forward, self.backend, max_tokens, max_blocks, block_size, self.device)
         graphs.capture()
         return graphs
 

@@ -4,7 +4,11 @@ A prefill pass of a few hundred tokens is bound by the host: launching ~12 kerne
 Triton launcher and its wrappers) takes longer than the GPU needs to run them, so a 100-token prompt cost
 nearly as much as a 1000-token one. A graph replays the whole pass with one launch.
 
-Inputs live in persistent buffers of PREFILL_GRAPH_TOKENS[-1] tokens and PREFILL_GRAPH_SEQS sequences. Padding
+The sizes captured run up to the first one that holds the scheduler's token budget (max_num_batched_tokens),
+so every pass of a default budget (4096) replays a graph: even a 4000-token pass, whose GPU time hides the
+launches, spent ~1 ms of its start with the GPU waiting on the host's first kernels.
+
+Inputs live in persistent buffers of the largest size's tokens and PREFILL_GRAPH_SEQS sequences. Padding
 tokens (past the pass's real tokens) have id 0 at position 0 and write their K/V into slot 0 of the null block;
 they belong to no sequence (query_start_loc stops at the real tokens), so attention leaves their rows
 unwritten and nothing reads them. Padding sequences have query length 0 and seq_len 0.
@@ -23,8 +27,8 @@ import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata
 
-PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
-"""Token counts with a captured graph; a pass of more tokens runs eagerly (its GPU time hides the launches)."""
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+"""Token counts a graph may be captured at; a pass of more tokens than the largest captured runs eagerly."""
 PREFILL_GRAPH_SEQS = 8
 """Sequences a graphed pass holds at most; a pass of more runs eagerly."""
 
@@ -48,10 +52,17 @@ class PrefillGraphs:
     """Persistent prefill inputs and the graphs captured over them."""
 
     def __init__(
-        self, forward: PrefillForward, backend: AttentionBackend, max_blocks: int, block_size: int, device: torch.device
+        self,
+        forward: PrefillForward,
+        backend: AttentionBackend,
+        max_tokens: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
     ) -> None:
         self.forward, self.backend, self.block_size, self.device = forward, backend, block_size, device
-        t, s = PREFILL_GRAPH_TOKENS[-1], PREFILL_GRAPH_SEQS
+        self.sizes = graph_token_sizes(max_tokens)
+        t, s = self.sizes[-1], PREFILL_GRAPH_SEQS
         # [ids; positions; slots] and [logits_idx], then [query_start; seq_lens; tables] as one int32 buffer
         self.longs_cpu = torch.zeros(3 * t + s, dtype=torch.int64, pin_memory=True)
         self.ints_cpu = torch.zeros(2 * s + 1 + s * max_blocks, dtype=torch.int32, pin_memory=True)
@@ -62,15 +73,11 @@ class PrefillGraphs:
         self._copied = torch.cuda.Event()  # recorded after each load's copies out of the pinned staging
 
     def fits(self, num_tokens: int, num_seqs: int, num_table_blocks: int) -> bool:
-        return (
-            num_tokens <= PREFILL_GRAPH_TOKENS[-1]
-            and num_seqs <= PREFILL_GRAPH_SEQS
-            and num_table_blocks <= self.max_blocks
-        )
+        return num_tokens <= self.sizes[-1] and num_seqs <= PREFILL_GRAPH_SEQS and num_table_blocks <= self.max_blocks
 
     @torch.inference_mode()
     def capture(self) -> None:
-        for size in reversed(PREFILL_GRAPH_TOKENS):
+        for size in reversed(self.sizes):
             self._graphs[size] = self._capture_one(size)
 
     def _capture_one(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -86,7 +93,7 @@ class PrefillGraphs:
 
     def run(self, host: HostInputs) -> torch.Tensor:  # [num_sampling, vocab] float32, a view of the graph's output
         """Load a pass (fits() must hold) and replay the graph of the smallest size that holds it."""
-        size = next(s for s in PREFILL_GRAPH_TOKENS if s >= len(host.ids))
+        size = next(s for s in self.sizes if s >= len(host.ids))
         self._load(host, size)
         graph, logits = self._graphs[size]
         graph.replay()
@@ -99,7 +106,7 @@ class PrefillGraphs:
         back to back (warm-up, a busy GPU under MPS) would otherwise replay a graph on the next pass's inputs.
         """
         self._copied.synchronize()
-        t, s, n, b = PREFILL_GRAPH_TOKENS[-1], PREFILL_GRAPH_SEQS, len(host.ids), len(host.seq_lens)
+        t, s, n, b = self.sizes[-1], PREFILL_GRAPH_SEQS, len(host.ids), len(host.seq_lens)
         longs, ints = self.longs_cpu.numpy(), self.ints_cpu.numpy()
         for row, values in enumerate((host.ids, host.positions, host.slots)):
             longs[row * t : row * t + n] = values
@@ -118,7 +125,7 @@ class PrefillGraphs:
         self._copied.record()
 
     def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        t, s = PREFILL_GRAPH_TOKENS[-1], PREFILL_GRAPH_SEQS
+        t, s = self.sizes[-1], PREFILL_GRAPH_SEQS
         meta = AttentionMetadata(
             slot_mapping=self.longs[2 * t : 2 * t + size],
             query_start_loc=self.ints[: s + 1],
@@ -129,6 +136,12 @@ class PrefillGraphs:
             block_size=self.block_size,
         )
         return self.longs[:size], self.longs[t : t + size], meta, self.longs[3 * t : 3 * t + s]
+
+
+def graph_token_sizes(max_tokens: int) -> tuple[int, ...]:
+    """The sizes of PREFILL_GRAPH_TOKENS up to the first that holds max_tokens (all of them if none does)."""
+    last = next((i for i, size in enumerate(PREFILL_GRAPH_TOKENS) if size >= max_tokens), len(PREFILL_GRAPH_TOKENS) - 1)
+    return PREFILL_GRAPH_TOKENS[: last + 1]
 
 
 def _padding_inputs() -> HostInputs:

@@ -1,27 +1,31 @@
-"""Paged prefill attention in Triton: flash-style, varlen, causal, GQA, over a cached prefix plus new tokens.
+"""Prefill attention in Triton: flash-style, varlen, causal, GQA, over a cached prefix (paged) plus new tokens.
 
 Layouts follow kernels/attention.py: q is the flat [num_tokens, num_heads, head_dim] batch of new tokens;
 sequence i owns rows query_start_loc[i]:query_start_loc[i+1], which sit at the last query_len positions of
-its seq_lens[i] tokens. kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V) and
-already holds the K/V of all seq_lens[i] tokens, new ones included; position p lives at
+its seq_lens[i] tokens. k_new/v_new are the same tokens' K/V, [num_tokens, num_kv_heads, head_dim] (the rows
+the model just computed; the backend has also appended them to the cache). kv_cache is [2, num_blocks,
+block_size, num_kv_heads, head_dim] (0 = K, 1 = V) and holds each sequence's cached prefix: position p lives at
 kv_cache[:, block_tables[i, p // block_size], p % block_size]. Block tables are padded with the null block 0.
 
 One program runs per (query head, tile of BLOCK_M query rows, sequence); query head h reads KV head
-h // (num_heads // num_kv_heads). It walks the keys in tiles of BLOCK_N tokens, gathering each token's block
-id from the block table, with an online softmax in fp32 in the log2 domain. The key loop has two parts:
-keys at or before the tile's first query position are visible to every row and run unmasked; the few
-tiles on the diagonal (up to the tile's last query) run with the causal mask; keys beyond are skipped.
-The heads are the fastest grid axis, so the G query heads of one KV head run side by side and share
-K/V through L2; query tiles are issued last-first, so the longest (most keys) programs start first.
+h // (num_heads // num_kv_heads). It walks the keys in tiles of BLOCK_N tokens with an online softmax in fp32
+in the log2 domain: first the cached prefix (gathered through the block table, visible to every row), then
+the new tokens, read as contiguous rows (through TMA descriptors on Hopper-class GPUs for 16-bit types):
+tiles before the query tile's first row run unmasked, the few on the diagonal with the causal mask, and keys
+beyond are skipped. Reading new keys from k_new/v_new rather than the cache drops the per-key block-table
+gather from the long-prompt case, where nearly every key is new. The heads are the fastest grid axis, so the
+G query heads of one KV head run side by side and share K/V through L2; query tiles are issued last-first,
+so the longest (most keys) programs start first.
 
 NOTE: the launch reads no device value on the host (max_query_len is a host int that sizes the grid;
-query lengths and seq_lens are read inside the kernel) and, given `out`, allocates nothing, so a CUDA graph
-can capture it. A graph replays the grid of its captured max_query_len: rows past it would stay unwritten.
+query lengths and seq_lens are read inside the kernel) and, given `out`, allocates nothing (TMA descriptors
+are built on the host and passed by value), so a CUDA graph can capture it. A graph replays the grid of its
+captured max_query_len: rows past it would stay unwritten.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -63,33 +67,59 @@ def choose_tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int) ->
 
 
 @triton.jit
-def _attend_key_tiles(
+def _online_softmax_step(
     acc,  # [BLOCK_M, HEAD_DIM] fp32, unnormalised output
     l_i,  # [BLOCK_M] fp32 running sum of exp2
     m_i,  # [BLOCK_M] fp32 running max, log2 domain
     q,  # [BLOCK_M, HEAD_DIM]
-    q_pos,  # [BLOCK_M] token position of each query row
-    k_base,  # k_ptr at this KV head
+    k,  # [BLOCK_N, HEAD_DIM]
+    v,  # [BLOCK_N, HEAD_DIM]
+    visible,  # [BLOCK_M, BLOCK_N] bool, used only when MASKED
+    qk_scale,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    # every row sees key 0 in the first tile it runs, so m_new is finite
+    m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attend_prefix_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,  # [BLOCK_M, HEAD_DIM]
+    k_base,  # k_cache at this KV head
     v_base,
     bt_row,  # block table row of this sequence
     n_start,
-    n_end,
+    n_end,  # the cached prefix's length: every query row sees all of it
     qk_scale,
     stride_kb,
     stride_kt,
     stride_vb,
     stride_vt,
     HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """Keys [n_start, n_end) of the cached prefix, gathered through the block table."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(n_start, n_end, BLOCK_N):
         k_pos = start_n + offs_n  # [BLOCK_N] key token positions
-        # NOTE: unmasked tiles lie wholly below n_end <= seq_len, so only masked tiles need load masks.
+        # NOTE: unmasked tiles lie wholly below n_end, so only the masked tail tile needs load masks.
         in_range = k_pos < n_end
         if MASKED:
             block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
@@ -97,32 +127,73 @@ def _attend_key_tiles(
             block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
         slot = k_pos % BLOCK_SIZE
         k_ptrs = k_base + (block * stride_kb + slot * stride_kt)[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
-        v_ptrs = v_base + (block * stride_vb + slot * stride_vt)[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+        v_ptrs = v_base + (block * stride_vb + slot * stride_vt)[:, None] + offs_d[None, :]
         if MASKED:
             k = tl.load(k_ptrs, mask=in_range[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=in_range[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
+        visible = tl.broadcast_to(in_range[None, :], (BLOCK_M, BLOCK_N))
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, MASKED, DOT_PRECISION)
+    return acc, l_i, m_i
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
-        if MASKED:
-            visible = (k_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
-            s = tl.where(visible, s, float("-inf"))
-        # every row sees key 0 in the first tile it runs, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+
+@triton.jit
+def _attend_new_tiles(
+    acc,
+    l_i,
+    m_i,
+    q,  # [BLOCK_M, HEAD_DIM]
+    offs_m,  # [BLOCK_M] query rows within the sequence (= new-key index of the row's own token)
+    k_new,  # TMA: descriptor of [num_tokens, kv_heads * head_dim]; else pointer to [num_tokens, kv_heads, d]
+    v_new,
+    row0,  # this sequence's first row in the flat batch
+    col,  # kv_head * HEAD_DIM
+    n_start,
+    n_end,  # new keys [n_start, n_end), indexed within the sequence's new tokens
+    qk_scale,
+    stride_nkt,
+    stride_nvt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The pass's own new keys, read from the contiguous K/V rows the model just computed (not the cache).
+
+    Masked tiles hold the diagonal: row r sees key j <= r. With TMA, rows past the sequence belong to the next
+    sequence (or are zero past the tensor): only rows that are never stored can see them.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(n_start, n_end, BLOCK_N):
+        j = start_n + offs_n  # [BLOCK_N]
+        if TMA:
+            k = k_new.load([row0 + start_n, col])
+            v = v_new.load([row0 + start_n, col])
+        else:
+            rows = (row0 + j).to(tl.int64)
+            k_ptrs = k_new + rows[:, None] * stride_nkt + col + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+            v_ptrs = v_new + rows[:, None] * stride_nvt + col + offs_d[None, :]
+            if MASKED:
+                k = tl.load(k_ptrs, mask=(j < n_end)[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=(j < n_end)[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+        visible = j[None, :] <= offs_m[:, None]
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, q, k, v, visible, qk_scale, MASKED, DOT_PRECISION)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr,  # [num_tokens, num_heads, head_dim]
-    k_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    q_in,  # TMA: descriptor of [num_tokens, num_heads * head_dim]; else pointer to [num_tokens, num_heads, d]
+    k_new,  # the new tokens' K: TMA descriptor or pointer to [num_tokens, num_kv_heads, head_dim]
+    v_new,
+    k_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]: the cache, for cached prefixes
     v_ptr,
     block_tables_ptr,  # [batch, max_blocks] int32
     query_start_loc_ptr,  # [batch + 1] int32
@@ -132,7 +203,8 @@ def _prefill_kernel(
     group,  # num_heads // num_kv_heads
     max_blocks,
     stride_qt,
-    stride_qh,
+    stride_nkt,
+    stride_nvt,
     stride_kb,
     stride_kt,
     stride_kh,
@@ -146,6 +218,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     head = tl.program_id(0)
@@ -165,39 +238,52 @@ def _prefill_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_mask = offs_m < q_len
     q_rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=row_mask[:, None], other=0.0
-    )  # [BLOCK_M, HEAD_DIM]
-    q_pos = ctx_len + offs_m  # [BLOCK_M]
+    if TMA:
+        q = q_in.load([q_start + start_m, head * HEAD_DIM])  # [BLOCK_M, HEAD_DIM]
+    else:
+        q_ptrs = q_in + q_rows[:, None] * stride_qt + head * HEAD_DIM + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=row_mask[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
-    # keys [0, full_end) are visible to every row; [full_end, kv_end) holds the diagonal
-    full_end = tl.minimum(ctx_len + start_m + 1, seq_len) // BLOCK_N * BLOCK_N
-    kv_end = tl.minimum(ctx_len + start_m + BLOCK_M, seq_len)
-    acc, l_i, m_i = _attend_key_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, 0, full_end, qk_scale,
-        stride_kb, stride_kt, stride_vb, stride_vt,
-        HEAD_DIM, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION,
+    if ctx_len > 0:
+        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        k_base = k_ptr + kv_head * stride_kh
+        v_base = v_ptr + kv_head * stride_vh
+        full_ctx = ctx_len // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = _attend_prefix_tiles(
+            acc, l_i, m_i, q, k_base, v_base, bt_row, 0, full_ctx, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt,
+            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION,
+        )  # fmt: skip
+        acc, l_i, m_i = _attend_prefix_tiles(
+            acc, l_i, m_i, q, k_base, v_base, bt_row, full_ctx, ctx_len, qk_scale,
+            stride_kb, stride_kt, stride_vb, stride_vt,
+            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION,
+        )  # fmt: skip
+    # new keys [0, full_end) are visible to every row; [full_end, new_end) holds the diagonal
+    full_end = (start_m + 1) // BLOCK_N * BLOCK_N
+    new_end = tl.minimum(start_m + BLOCK_M, q_len)
+    col = kv_head * HEAD_DIM
+    acc, l_i, m_i = _attend_new_tiles(
+        acc, l_i, m_i, q, offs_m, k_new, v_new, q_start, col, 0, full_end, qk_scale, stride_nkt, stride_nvt,
+        HEAD_DIM, BLOCK_N, False, TMA, DOT_PRECISION,
     )  # fmt: skip
-    acc, l_i, m_i = _attend_key_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, v_base, bt_row, full_end, kv_end, qk_scale,
-        stride_kb, stride_kt, stride_vb, stride_vt,
-        HEAD_DIM, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION,
+    acc, l_i, m_i = _attend_new_tiles(
+        acc, l_i, m_i, q, offs_m, k_new, v_new, q_start, col, full_end, new_end, qk_scale, stride_nkt, stride_nvt,
+        HEAD_DIM, BLOCK_N, True, TMA, DOT_PRECISION,
     )  # fmt: skip
 
-    # only seq_len 0 (invalid with query rows) leaves l_i = 0: write zeros, never NaN
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o = acc / l_i[:, None]  # every stored row saw its own key: l_i >= 1
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 def _check_inputs(
     q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -216,7 +302,12 @@ def _check_inputs(
     assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}"
     assert q.dtype in (torch.float32, torch.float16, torch.bfloat16), f"unsupported dtype {q.dtype}"
     assert kv_cache.dtype == q.dtype, f"dtype mismatch: q {q.dtype}, kv_cache {kv_cache.dtype}"
-    assert q.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim must be the contiguous dimension"
+    for name, t, heads in (("q", q, num_heads), ("k_new", k_new, num_kv_heads), ("v_new", v_new, num_kv_heads)):
+        assert t.shape == (num_tokens, heads, head_dim), f"{name} must be [{num_tokens}, {heads}, {head_dim}]"
+        assert t.dtype == q.dtype, f"dtype mismatch: q {q.dtype}, {name} {t.dtype}"
+        contiguous = t.stride(2) == 1 and t.stride(1) == head_dim
+        assert contiguous or t.numel() == 0, f"{name}: heads and head_dim must be contiguous"
+    assert kv_cache.stride(4) == 1, "kv_cache: head_dim must be the contiguous dimension"
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2, "block_tables must be [batch, max_blocks] i32"
     batch = block_tables.shape[0]
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (batch + 1,), "query_start_loc: [batch+1]"
@@ -225,8 +316,26 @@ def _check_inputs(
     assert 0 <= max_query_len <= num_tokens, f"max_query_len {max_query_len} outside [0, {num_tokens}]"
 
 
+def tma_supported(*tensors: torch.Tensor) -> bool:
+    """Whether the new tokens' q/K/V can be read through TMA descriptors: a Hopper-class GPU, 16-bit types,
+    16-byte aligned bases and row strides."""
+    t0 = tensors[0]
+    if not t0.is_cuda or t0.dtype == torch.float32 or torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
+
+
+def _flat_descriptor(t: torch.Tensor, block_rows: int) -> Any:
+    """A TMA descriptor of [num_tokens, heads, head_dim] seen as [num_tokens, heads * head_dim], one head per box."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_rows, t.shape[2]])
+
+
 def launch_prefill_kernel(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_new: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v_new: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [batch, max_blocks] int32
     query_start_loc: torch.Tensor,  # [batch + 1] int32
@@ -235,17 +344,22 @@ def launch_prefill_kernel(
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     cfg: PrefillTileConfig,
+    tma: bool,
 ) -> None:
-    """Launches the kernel with explicit tiles (for tuning); inputs are assumed checked."""
+    """Launches the kernel with explicit tiles (for tuning); inputs are assumed checked (tma: tma_supported)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     batch = block_tables.shape[0]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_heads, triton.cdiv(max_query_len, cfg.block_m), batch)
+    q_in, k_in, v_in = q, k_new, v_new
+    if tma:
+        q_in = _flat_descriptor(q, cfg.block_m)
+        k_in, v_in = _flat_descriptor(k_new, cfg.block_n), _flat_descriptor(v_new, cfg.block_n)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        q_in, k_in, v_in, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
         scale * LOG2E, num_heads // num_kv_heads, block_tables.shape[1],
-        q.stride(0), q.stride(1),
+        q.stride(0), k_new.stride(0), v_new.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
@@ -254,6 +368,7 @@ def launch_prefill_kernel(
         BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
+        TMA=tma,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -262,6 +377,8 @@ def launch_prefill_kernel(
 
 def paged_prefill_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]  new query tokens of all sequences, flat
+    k_new: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]  the same tokens' K (also already in kv_cache)
+    v_new: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]  (0 = K, 1 = V)
     block_tables: torch.Tensor,  # [batch, max_blocks] int32, padded with the null block 0
     query_start_loc: torch.Tensor,  # [batch + 1] int32, cumulative query lengths
@@ -270,19 +387,22 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written in place
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype unless `out` says otherwise
-    """Causal attention of each sequence's new queries over its paged K/V (cached prefix + new tokens).
+    """Causal attention of each sequence's new queries over its cached prefix (paged) and its new tokens.
 
-    The K/V of every token, new ones included, must already be in kv_cache. Requires seq_lens[i] >=
+    The new tokens' K/V are read from k_new/v_new; the prefix's from kv_cache. Requires seq_lens[i] >=
     query_len[i] and max_query_len >= every query length (shorter lengths leave rows unwritten).
     """
-    _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len)
+    _check_inputs(q, k_new, v_new, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len)
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(2) == 1, "out must be [num_tokens, heads, head_dim], last dim contiguous"
     if max_query_len == 0 or block_tables.shape[0] == 0:
         return out
     cfg = choose_tile_config(q.shape[2], q.dtype, max_query_len)
-    launch_prefill_kernel(q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out, cfg)
+    tma = tma_supported(q, k_new, v_new)
+    launch_prefill_kernel(
+        q, k_new, v_new, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out, cfg, tma
+    )
     return out
 
 

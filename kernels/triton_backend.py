@@ -2,7 +2,8 @@
 
 A pass whose sequences each bring one new token (decode) runs the split-K decode kernel; any other pass
 (prefill chunks, or prefill and decode mixed) runs the varlen prefill kernel over cached prefix + new tokens.
-Both read K/V from the paged cache only, after the append has written the new tokens.
+Decode reads K/V from the paged cache only, after the append has written the new tokens; prefill reads the
+cached prefix from the cache and the new tokens' K/V from the rows the model just computed.
 
 NOTE: forward() reads no device value on the host and, after the first decode pass, allocates nothing but
 its output, so the model runner can capture decode passes in CUDA graphs. The split-K workspace is sized
@@ -56,7 +57,7 @@ class TritonAttention:
             workspace = self._decode_workspace(q)
             return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, workspace=workspace)
         return paged_prefill_attention(
-            q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, plan.max_query_len, scale
+            q, k, v, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, plan.max_query_len, scale
         )
 
     def _decode_workspace(self, q: torch.Tensor) -> DecodeWorkspace:

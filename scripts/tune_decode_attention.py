@@ -133,9 +133,11 @@ def sdpa_vs_triton_prefill(tokens: int, repeats: int) -> dict[str, float]:
     qsl = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
     seq_lens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
     flat_q = q[0].transpose(0, 1).contiguous()  # [tokens, heads, head_dim]
+    flat_k, flat_v = (t[0].transpose(0, 1).contiguous() for t in (k, v))  # [tokens, kv_heads, head_dim]
     out = torch.empty_like(flat_q)
-    times["triton-paged"] = median_us(
-        lambda: paged_prefill_attention(flat_q, kv, tables, qsl, seq_lens, tokens, head_dim**-0.5, out), repeats
+    times["triton-prefill"] = median_us(
+        lambda: paged_prefill_attention(flat_q, flat_k, flat_v, kv, tables, qsl, seq_lens, tokens, head_dim**-0.5, out),
+        repeats,
     )
     flops = 2 * 2 * heads * head_dim * tokens**2 / 2
     for key, us in times.items():

@@ -1,8 +1,11 @@
-"""The paged prefill attention kernel against its torch reference: small fp32 cases on CPU under the Triton
+"""The prefill attention kernel against its torch reference: small fp32 cases on CPU under the Triton
 interpreter (in a subprocess, since the interpreter flag must be set before triton is imported), and the
-real kernel on CUDA over odd lengths, cached prefixes, GQA ratios, block sizes, dtypes and long contexts.
+real kernel on CUDA over odd lengths, cached prefixes, GQA ratios, block sizes, dtypes and long contexts,
+through TMA descriptors (16-bit types on Hopper) and pointer loads.
 
-Caches and outputs start as NaN: a read of an unwritten slot or a row left unwritten shows up as NaN.
+Caches and outputs start as NaN: a read of an unwritten slot or a row left unwritten shows up as NaN. The
+kernel reads new tokens' K/V from k_new/v_new, so it runs on a copy of the cache whose new-token slots are NaN
+too (the reference reads everything from the cache).
 """
 
 from __future__ import annotations
@@ -20,7 +23,13 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.attention import AttentionMetadata, TorchAttention
-from kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from kernels.prefill_attention import (
+    choose_tile_config,
+    launch_prefill_kernel,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    tma_supported,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -29,15 +38,25 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 class PagedBatch(NamedTuple):
     q: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    k_new: torch.Tensor  # [num_tokens, num_kv_heads, head_dim], the new tokens' K (also in kv_cache)
+    v_new: torch.Tensor
     kv_cache: torch.Tensor  # [2, num_blocks, block_size, num_kv_heads, head_dim], NaN outside the sequences
     block_tables: torch.Tensor  # [batch, max_blocks] int32, shuffled blocks, padded with 0
     query_start_loc: torch.Tensor  # [batch + 1] int32
     seq_lens: torch.Tensor  # [batch] int32
     query_lens: list[int]
+    new_slots: torch.Tensor  # [num_tokens] int64, the cache slot of each new token
 
     @property
     def max_query_len(self) -> int:
         return max(self.query_lens, default=0)
+
+    def cache_without_new_tokens(self) -> torch.Tensor:
+        """A copy of kv_cache with the new tokens' slots poisoned: what the kernel may read of the cache."""
+        cache = self.kv_cache.clone()
+        flat = cache.view(2, -1, *cache.shape[3:])  # [2, num_blocks * block_size, kv_heads, head_dim]
+        flat[:, self.new_slots] = math.nan
+        return cache
 
 
 class CpuCase(NamedTuple):
@@ -82,7 +101,7 @@ def make_batch(
     tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     kv_cache = torch.full(shape, math.nan) if poison else torch.zeros(shape)
-    used = 0
+    used, new_slots = 0, []
     for i, (seq_len, n) in enumerate(zip(seq_lens, num_seq_blocks, strict=True)):
         tables[i, :n] = block_ids[used : used + n].int()
         used += n
@@ -90,15 +109,22 @@ def make_batch(
         kv_cache[:, tables[i, pos // block_size].long(), pos % block_size] = torch.randn(
             2, seq_len, num_kv_heads, head_dim, generator=gen
         )
+        new_pos = pos[prefix_lens[i] :]
+        new_slots.append(tables[i, new_pos // block_size].long() * block_size + new_pos % block_size)
+    slots = torch.cat(new_slots) if new_slots else torch.zeros(0, dtype=torch.int64)
+    new_kv = kv_cache.view(2, -1, num_kv_heads, head_dim)[:, slots]  # [2, num_tokens, kv_heads, head_dim]
     q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
     starts = torch.tensor([0, *torch.tensor(query_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
     return PagedBatch(
         q.to(device, dtype),
+        new_kv[0].to(device, dtype),
+        new_kv[1].to(device, dtype),
         kv_cache.to(device, dtype),
         tables.to(device),
         starts.to(device),
         torch.tensor(seq_lens, dtype=torch.int32, device=device),
         list(query_lens),
+        slots.to(device),
     )
 
 
@@ -106,12 +132,17 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def run_kernel(batch: PagedBatch, scale: float, q: torch.Tensor | None = None) -> torch.Tensor:
+def run_kernel(batch: PagedBatch, scale: float, q: torch.Tensor | None = None, tma: bool | None = None) -> torch.Tensor:
+    """The kernel over the cache without the new tokens' K/V; tma=None lets paged_prefill_attention choose."""
     q = batch.q if q is None else q
     out = torch.full_like(q, math.nan)
-    paged_prefill_attention(
-        q, batch.kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, batch.max_query_len, scale, out
-    )
+    args = (batch.block_tables, batch.query_start_loc, batch.seq_lens, batch.max_query_len, scale, out)
+    cache = batch.cache_without_new_tokens()
+    if tma is None:
+        paged_prefill_attention(q, batch.k_new, batch.v_new, cache, *args)
+    elif batch.max_query_len > 0:
+        cfg = choose_tile_config(q.shape[2], q.dtype, batch.max_query_len)
+        launch_prefill_kernel(q, batch.k_new, batch.v_new, cache, *args, cfg, tma)
     return out
 
 
@@ -123,9 +154,9 @@ def reference(batch: PagedBatch, scale: float) -> torch.Tensor:
     return paged_prefill_attention_ref(q, kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, scale)
 
 
-def assert_matches_reference(batch: PagedBatch, q: torch.Tensor | None = None) -> None:
+def assert_matches_reference(batch: PagedBatch, q: torch.Tensor | None = None, tma: bool | None = None) -> None:
     scale = batch.q.shape[2] ** -0.5
-    out = run_kernel(batch, scale, q)
+    out = run_kernel(batch, scale, q, tma)
     assert not out.isnan().any(), "some output element was not written (or read an unwritten cache slot)"
     err = relative_error(out, reference(batch, scale))
     assert err < TOLERANCE[batch.q.dtype], f"relative error {err:.3g}"
@@ -221,13 +252,37 @@ def test_decode_rows_mixed_with_long_prefill_match_reference_on_gpu(dtype: torch
 
 
 @pytest.mark.gpu
-def test_strided_q_from_fused_qkv_matches_reference_on_gpu() -> None:
+@pytest.mark.parametrize("tma", [True, False])
+def test_strided_qkv_views_match_reference_on_gpu(tma: bool) -> None:
+    """q, K and V as strided views of one fused qkv projection, as the model hands them over."""
     batch = make_batch([300, 1, 45], [20, 77, 0], 8, 2, 64, 16, torch.bfloat16, "cuda", seed=5)
     num_tokens, num_heads, head_dim = batch.q.shape
     qkv = torch.randn(num_tokens, (num_heads + 4) * head_dim, device="cuda", dtype=torch.bfloat16)
-    q_view = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    q_view.copy_(batch.q)
-    assert_matches_reference(batch, q_view)
+    q, k, v = (t.view(num_tokens, -1, head_dim) for t in qkv.split([num_heads * head_dim, 128, 128], dim=-1))
+    for view, values in ((q, batch.q), (k, batch.k_new), (v, batch.v_new)):
+        view.copy_(values)
+    if tma and not tma_supported(q, k, v):
+        pytest.skip("TMA needs a Hopper-class GPU")
+    assert_matches_reference(batch._replace(k_new=k, v_new=v), q, tma=tma)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_pointer_path_matches_reference_on_gpu(dtype: torch.dtype, head_dim: int) -> None:
+    """The path GPUs without TMA take for 16-bit types (the default elsewhere is covered above)."""
+    batch = make_batch([1, 7, 130, 1000, 64], [0, 5, 33, 200, 64], 8, 2, head_dim, 16, dtype, "cuda", seed=11)
+    assert_matches_reference(batch, tma=False)
+
+
+@pytest.mark.gpu
+def test_tma_is_the_default_on_hopper_for_16_bit_types() -> None:
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs a Hopper-class GPU")
+    batch = make_batch([10], [0], 4, 2, 64, 16, torch.bfloat16, "cuda")
+    assert tma_supported(batch.q, batch.k_new, batch.v_new)
+    wide = make_batch([10], [0], 4, 2, 64, 16, torch.float32, "cuda")
+    assert not tma_supported(wide.q, wide.k_new, wide.v_new)
 
 
 def runner_metadata(batch: PagedBatch, prefix_lens: list[int], block_size: int) -> AttentionMetadata:
@@ -263,7 +318,7 @@ def test_kernel_equals_torch_backend_on_gpu(dtype: torch.dtype, monkeypatch: pyt
     scale = 64**-0.5
     expected = backend.forward(batch.q, k, v, batch.kv_cache, meta, scale)  # writes k, v into the cache
     out = paged_prefill_attention(
-        batch.q, batch.kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len, scale
+        batch.q, k, v, batch.kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len, scale
     )
     err = relative_error(out, expected)
     assert err < TOLERANCE[dtype], f"relative error {err:.3g}"
@@ -274,21 +329,21 @@ def test_cuda_graph_replay_follows_new_lengths_on_gpu() -> None:
     """A captured launch reads lengths on the device: replaying it over a re-split batch gives the new answer."""
     first = make_batch([40, 24], [10, 0], 8, 2, 64, 16, torch.bfloat16, "cuda", seed=8)
     second = make_batch([24, 40], [0, 10], 8, 2, 64, 16, torch.bfloat16, "cuda", seed=9)
-    assert all(a.shape == b.shape for a, b in zip(first[:5], second[:5], strict=True))
+    assert all(a.shape == b.shape for a, b in zip(first[:7], second[:7], strict=True))
     scale = 64**-0.5
     out = torch.full_like(first.q, math.nan)
-    inputs = [t.clone() for t in first[:5]]
+    inputs = [t.clone() for t in first[:7]]
 
     def launch() -> None:
-        q, kv_cache, tables, starts, seq_lens = inputs
-        paged_prefill_attention(q, kv_cache, tables, starts, seq_lens, first.max_query_len, scale, out)
+        q, k_new, v_new, kv_cache, tables, starts, seq_lens = inputs
+        paged_prefill_attention(q, k_new, v_new, kv_cache, tables, starts, seq_lens, first.max_query_len, scale, out)
 
     launch()  # compiles outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         launch()
-    for buffer, new in zip(inputs, second[:5], strict=True):
+    for buffer, new in zip(inputs, second[:7], strict=True):
         buffer.copy_(new)
     out.fill_(math.nan)
     graph.replay()
