@@ -47,19 +47,19 @@ class PrefillTileConfig(NamedTuple):
     num_stages: int
 
 
-def choose_tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int) -> PrefillTileConfig:
-    """Tiles for a head_dim and dtype; BLOCK_M shrinks for short queries (decode-like batches).
+def choose_tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int, tma: bool) -> PrefillTileConfig:
+    """Tiles for a head_dim, dtype and load path; BLOCK_M shrinks for short queries (decode-like batches).
 
     fp32 runs its dots on IEEE FMAs (no tensor cores), so it takes smaller tiles; 16-bit types take the
-    shapes that timed fastest for 4000-token prefills at head_dim 64 and 128, bounded so K/V stages fit
-    shared memory.
+    shapes that timed fastest for 4000-token prefills at head_dim 64 and 128 (scripts/tune_prefill_attention.py
+    on an H200 for TMA, an H100 for pointer loads), bounded so K/V stages fit shared memory.
     """
     if dtype == torch.float32:
         cfg = PrefillTileConfig(64, 32, 4, 2) if head_dim <= 128 else PrefillTileConfig(32, 32, 4, 1)
-    elif head_dim <= 64:  # NOTE: the fastest of a sweep on an H100 (scripts/tune_prefill_attention.py)
-        cfg = PrefillTileConfig(64, 64, 4, 2)
+    elif head_dim <= 64:
+        cfg = PrefillTileConfig(64, 128, 4, 3) if tma else PrefillTileConfig(64, 64, 4, 2)
     elif head_dim <= 128:
-        cfg = PrefillTileConfig(64, 64, 4, 3)
+        cfg = PrefillTileConfig(128, 64, 4, 2) if tma else PrefillTileConfig(64, 64, 4, 3)
     else:
         cfg = PrefillTileConfig(64, 32, 4, 2)
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max(max_query_len, 1))))
@@ -398,8 +398,8 @@ def paged_prefill_attention(
     assert out.shape == q.shape and out.stride(2) == 1, "out must be [num_tokens, heads, head_dim], last dim contiguous"
     if max_query_len == 0 or block_tables.shape[0] == 0:
         return out
-    cfg = choose_tile_config(q.shape[2], q.dtype, max_query_len)
     tma = tma_supported(q, k_new, v_new)
+    cfg = choose_tile_config(q.shape[2], q.dtype, max_query_len, tma)
     launch_prefill_kernel(
         q, k_new, v_new, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out, cfg, tma
     )

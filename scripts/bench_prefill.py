@@ -72,7 +72,7 @@ def bench_engine(folder: Path, tokens: int, repeats: int, backend: str, eager: b
     one = SamplingParams(temperature=0.0, max_tokens=1)
     # NOTE: prompts are made before the clock starts (transformers' baseline also gets its ids ready-made)
     vocab = SHAPE["vocab_size"]
-    prompts = iter([torch.randint(0, vocab, (tokens,), generator=gen).tolist() for _ in range(repeats + 8)])
+    prompts = iter([torch.randint(0, vocab, (tokens,), generator=gen).tolist() for _ in range(repeats + 16)])
 
     def run() -> None:
         engine.generate([next(prompts)], one)
@@ -83,11 +83,28 @@ def bench_engine(folder: Path, tokens: int, repeats: int, backend: str, eager: b
         print_profile(f"pdserve-{backend}", run)
     if TRACE and backend == "triton":
         export_trace(Path(TRACE), run)
+    if HOST_PROFILE and backend == "triton":
+        print_host_profile(run)
     return times
 
 
 PROFILE = False
+HOST_PROFILE = False
 TRACE = ""
+
+
+def print_host_profile(fn, calls: int = 10) -> None:  # type: ignore[no-untyped-def]
+    """Python functions by own time over a few calls: where the host's share of a prefill goes."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    print(f"==== host profile, {calls} calls")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 def export_trace(path: Path, fn) -> None:  # type: ignore[no-untyped-def]
@@ -171,10 +188,11 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--profile", action="store_true", help="print each engine run's top GPU kernels")
     p.add_argument("--trace", default="", help="write a Chrome trace of one Triton-backend run here")
+    p.add_argument("--host-profile", action="store_true", help="print a cProfile of Triton-backend runs")
     p.add_argument("--lengths", default="", help="comma-separated prompt lengths: prefill graphs vs eager at each")
     args = p.parse_args()
-    global PROFILE, TRACE
-    PROFILE, TRACE = args.profile, args.trace
+    global PROFILE, HOST_PROFILE, TRACE
+    PROFILE, HOST_PROFILE, TRACE = args.profile, args.host_profile, args.trace
     folder = write_config(Path(tempfile.mkdtemp()))
     hf = bench_transformers(folder, args.tokens, args.repeats)
     rows = {"transformers": hf}

@@ -33,14 +33,16 @@ BLOCK_SIZE = 16
 
 
 def inputs(tokens: int, heads: int, kv_heads: int, head_dim: int, prefix: int = 0) -> tuple[torch.Tensor, ...]:
-    """q, K/V of the new tokens as strided views of one fused qkv row (as the model hands them over), a paged
-    cache over shuffled blocks holding prefix + new tokens, block table, query_start_loc, seq_lens."""
+    """q, K/V of the new tokens as the model hands them over (q and K fresh out of rope, V a strided view of the
+    fused qkv projection), a paged cache over shuffled blocks holding prefix + new tokens, block table,
+    query_start_loc, seq_lens."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     total = prefix + tokens
     num_blocks = total // BLOCK_SIZE + 8
     qkv = torch.randn((tokens, (heads + 2 * kv_heads) * head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q, k, v = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    q, k = q.reshape(tokens, heads, head_dim).clone(), k.reshape(tokens, kv_heads, head_dim).clone()
+    v = v.view(tokens, kv_heads, head_dim)
     kv_shape = (2, num_blocks, BLOCK_SIZE, kv_heads, head_dim)
     kv = torch.randn(kv_shape, generator=gen, device="cuda", dtype=torch.bfloat16)
     table = torch.randperm(num_blocks - 1, generator=gen, device="cuda")[: -(-total // BLOCK_SIZE)] + 1
@@ -63,8 +65,9 @@ def time_config(args: tuple[torch.Tensor, ...], cfg: PrefillTileConfig, tma: boo
 def _prefix_row(args: argparse.Namespace, heads: int, kv_heads: int, head_dim: int) -> dict[str, float]:
     """The default config with a cached prefix of --prefix tokens before the --tokens new ones."""
     data = inputs(args.tokens, heads, kv_heads, head_dim, prefix=args.prefix)
-    cfg = choose_tile_config(head_dim, torch.bfloat16, args.tokens)
-    ms = time_config(data, cfg, tma_supported(*data[:3]), args.repeats)
+    tma = tma_supported(*data[:3])
+    cfg = choose_tile_config(head_dim, torch.bfloat16, args.tokens, tma)
+    ms = time_config(data, cfg, tma, args.repeats)
     n, c = args.tokens, args.prefix
     flops = 2 * 2 * heads * head_dim * (n * c + n * n / 2)
     print(f"  default after a {c}-token cached prefix: {ms:.3f} ms  {flops / ms / 1e9:.0f} TFLOP/s")
@@ -96,9 +99,9 @@ def _sdpa_row(n: int, repeats: int) -> dict[str, float]:
     torch.cuda.synchronize()
     first_ms = (time.perf_counter() - start) * 1e3
     steady = median_ms(sdpa, repeats)
-    cfg = choose_tile_config(head_dim, q.dtype, n)
-    out = torch.empty_like(q)
     tma = tma_supported(q, k, v)
+    cfg = choose_tile_config(head_dim, q.dtype, n, tma)
+    out = torch.empty_like(q)
     triton_ms = median_ms(
         lambda: launch_prefill_kernel(q, k, v, kv, bt, qsl, sl, n, head_dim**-0.5, out, cfg, tma), repeats
     )
@@ -131,10 +134,10 @@ def main() -> None:
     for name, (heads, kv_heads, head_dim) in SHAPES.items():
         data = inputs(args.tokens, heads, kv_heads, head_dim)
         flops = 2 * 2 * heads * head_dim * args.tokens**2 / 2
-        default = choose_tile_config(head_dim, torch.bfloat16, args.tokens)
         default_tma = tma_supported(*data[:3])
+        default = choose_tile_config(head_dim, torch.bfloat16, args.tokens, default_tma)
         rows = []
-        for tma, bm, bn, warps, stages in itertools.product((True, False), (64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
+        for tma, bm, bn, warps, stages in itertools.product((True, False), (64, 128), (64, 128), (4, 8), (2, 3, 4)):
             cfg = PrefillTileConfig(bm, bn, warps, stages)
             try:
                 ms = time_config(data, cfg, tma, args.repeats)
