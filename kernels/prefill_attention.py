@@ -47,19 +47,20 @@ class PrefillTileConfig(NamedTuple):
     num_stages: int
 
 
-def choose_tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int, tma: bool) -> PrefillTileConfig:
-    """Tiles for a head_dim, dtype and load path; BLOCK_M shrinks for short queries (decode-like batches).
+def choose_tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int) -> PrefillTileConfig:
+    """Tiles for a head_dim and dtype; BLOCK_M shrinks for short queries (decode-like batches).
 
     fp32 runs its dots on IEEE FMAs (no tensor cores), so it takes smaller tiles; 16-bit types take the
-    shapes that timed fastest for 4000-token prefills at head_dim 64 and 128 (scripts/tune_prefill_attention.py
-    on an H200 for TMA, an H100 for pointer loads), bounded so K/V stages fit shared memory.
+    shapes that timed fastest for 4000-token prefills at head_dim 64 and 128, bounded so K/V stages fit
+    shared memory. NOTE: tiles that won a standalone sweep (scripts/tune_prefill_attention.py, warm L2) lost
+    inside the model on an H200: 64x128 TMA tiles ran 190 us per layer there against 171 us for these.
     """
     if dtype == torch.float32:
         cfg = PrefillTileConfig(64, 32, 4, 2) if head_dim <= 128 else PrefillTileConfig(32, 32, 4, 1)
     elif head_dim <= 64:
-        cfg = PrefillTileConfig(64, 128, 4, 3) if tma else PrefillTileConfig(64, 64, 4, 2)
+        cfg = PrefillTileConfig(64, 64, 4, 2)
     elif head_dim <= 128:
-        cfg = PrefillTileConfig(128, 64, 4, 2) if tma else PrefillTileConfig(64, 64, 4, 3)
+        cfg = PrefillTileConfig(64, 64, 4, 3)
     else:
         cfg = PrefillTileConfig(64, 32, 4, 2)
     block_m = min(cfg.block_m, max(16, triton.next_power_of_2(max(max_query_len, 1))))
@@ -399,7 +400,7 @@ def paged_prefill_attention(
     if max_query_len == 0 or block_tables.shape[0] == 0:
         return out
     tma = tma_supported(q, k_new, v_new)
-    cfg = choose_tile_config(q.shape[2], q.dtype, max_query_len, tma)
+    cfg = choose_tile_config(q.shape[2], q.dtype, max_query_len)
     launch_prefill_kernel(
         q, k_new, v_new, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out, cfg, tma
     )

@@ -58,6 +58,7 @@ def time_cuda(fn, repeats: int) -> list[float]:  # type: ignore[no-untyped-def]
 
 
 def bench_engine(folder: Path, tokens: int, repeats: int, backend: str, eager: bool = False) -> list[float]:
+    """engine.generate of one prompt of `tokens` tokens (max_tokens 1), timed per call."""
     model = ModelConfig.from_pretrained(folder, dtype="bfloat16", load_format="dummy")
     cfg = EngineConfig(
         model,
@@ -168,6 +169,19 @@ def bench_transformers(folder: Path, tokens: int, repeats: int) -> list[float]:
     return time_cuda(run, repeats)
 
 
+def pointer_loads(folder: Path, tokens: int, repeats: int) -> list[float]:
+    """The Triton backend with the prefill kernel's new-token K/V read by pointer loads instead of TMA (the path
+    GPUs before Hopper take), for an in-model comparison: standalone sweeps rank the two differently."""
+    import kernels.prefill_attention as pa
+
+    saved = pa.tma_supported
+    pa.tma_supported = lambda *tensors: False
+    try:
+        return bench_engine(folder, tokens, repeats, "triton")
+    finally:
+        pa.tma_supported = saved
+
+
 def graphs_vs_eager(folder: Path, lengths: list[int]) -> dict[int, dict[str, float]]:
     """Prefill latency of short prompts with prefill CUDA graphs and eagerly (host launch overhead), same process."""
     rows = {}
@@ -189,6 +203,7 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="print each engine run's top GPU kernels")
     p.add_argument("--trace", default="", help="write a Chrome trace of one Triton-backend run here")
     p.add_argument("--host-profile", action="store_true", help="print a cProfile of Triton-backend runs")
+    p.add_argument("--pointer-loads", action="store_true", help="also run the Triton backend without TMA loads")
     p.add_argument("--lengths", default="", help="comma-separated prompt lengths: prefill graphs vs eager at each")
     args = p.parse_args()
     global PROFILE, HOST_PROFILE, TRACE
@@ -198,6 +213,8 @@ def main() -> int:
     rows = {"transformers": hf}
     for backend in ("torch", "triton"):
         rows[f"pdserve-{backend}"] = bench_engine(folder, args.tokens, args.repeats, backend)
+    if args.pointer_loads:
+        rows["pdserve-triton-pointer-loads"] = pointer_loads(folder, args.tokens, args.repeats)
     result: dict[str, Any] = {
         "what": f"prefill latency, {args.tokens} tokens, bf16, Llama shape {SHAPE}",
         "gpu": torch.cuda.get_device_name(),

@@ -66,7 +66,7 @@ def _prefix_row(args: argparse.Namespace, heads: int, kv_heads: int, head_dim: i
     """The default config with a cached prefix of --prefix tokens before the --tokens new ones."""
     data = inputs(args.tokens, heads, kv_heads, head_dim, prefix=args.prefix)
     tma = tma_supported(*data[:3])
-    cfg = choose_tile_config(head_dim, torch.bfloat16, args.tokens, tma)
+    cfg = choose_tile_config(head_dim, torch.bfloat16, args.tokens)
     ms = time_config(data, cfg, tma, args.repeats)
     n, c = args.tokens, args.prefix
     flops = 2 * 2 * heads * head_dim * (n * c + n * n / 2)
@@ -100,7 +100,7 @@ def _sdpa_row(n: int, repeats: int) -> dict[str, float]:
     first_ms = (time.perf_counter() - start) * 1e3
     steady = median_ms(sdpa, repeats)
     tma = tma_supported(q, k, v)
-    cfg = choose_tile_config(head_dim, q.dtype, n, tma)
+    cfg = choose_tile_config(head_dim, q.dtype, n)
     out = torch.empty_like(q)
     triton_ms = median_ms(
         lambda: launch_prefill_kernel(q, k, v, kv, bt, qsl, sl, n, head_dim**-0.5, out, cfg, tma), repeats
@@ -110,9 +110,12 @@ def _sdpa_row(n: int, repeats: int) -> dict[str, float]:
 
 
 def median_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    """Median over runs that each start from a cold L2, as inside a model (the GEMMs before it evict it)."""
     fn()
     times = []
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     for _ in range(repeats):
+        flush.zero_()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -135,7 +138,7 @@ def main() -> None:
         data = inputs(args.tokens, heads, kv_heads, head_dim)
         flops = 2 * 2 * heads * head_dim * args.tokens**2 / 2
         default_tma = tma_supported(*data[:3])
-        default = choose_tile_config(head_dim, torch.bfloat16, args.tokens, default_tma)
+        default = choose_tile_config(head_dim, torch.bfloat16, args.tokens)
         rows = []
         for tma, bm, bn, warps, stages in itertools.product((True, False), (64, 128), (64, 128), (4, 8), (2, 3, 4)):
             cfg = PrefillTileConfig(bm, bn, warps, stages)

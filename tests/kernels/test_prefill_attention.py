@@ -141,7 +141,7 @@ def run_kernel(batch: PagedBatch, scale: float, q: torch.Tensor | None = None, t
     if tma is None:
         paged_prefill_attention(q, batch.k_new, batch.v_new, cache, *args)
     elif batch.max_query_len > 0:
-        cfg = choose_tile_config(q.shape[2], q.dtype, batch.max_query_len, tma)
+        cfg = choose_tile_config(q.shape[2], q.dtype, batch.max_query_len)
         launch_prefill_kernel(q, batch.k_new, batch.v_new, cache, *args, cfg, tma)
     return out
 
