@@ -31,7 +31,12 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", required=True, help="folder of the cluster's ipc sockets")
     parser.add_argument("--num-prefill", type=int, default=1)
     parser.add_argument("--num-decode", type=int, default=1)
-    parser.add_argument("--transport", default="shm", choices=["shm", "cuda_ipc", "dist"])
+    parser.add_argument(
+        "--transport",
+        default="auto",
+        choices=["auto", "shm", "cuda_ipc", "dist"],
+        help="auto: per prefill/decode pair, cuda_ipc (CUDA) or shm (CPU) within a host, dist across hosts",
+    )
     parser.add_argument("--heartbeat-interval", type=float, default=0.25)
     parser.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="WARNING drops the per-request lines"

@@ -46,7 +46,7 @@ from core.messages import (
 )
 from core.sampler import SamplingState
 from core.worker_base import WorkerBase
-from kvtransfer.base import KVTransferSink, PullHandle, make_sink
+from kvtransfer.base import AUTO, TRANSPORTS, KVTransferError, KVTransferSink, PullHandle, make_sink
 from kvtransfer.layout import KVLayout
 from kvtransfer.pool import KVPool, allocate_kv_pool
 
@@ -100,7 +100,11 @@ class DecodeWorker(WorkerBase):
         self.warm_up()
         self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
         assert self.kv_pool is not None
-        self.sink: KVTransferSink = make_sink(transport, self.kv_pool, self.layout)
+        self.transport: str = transport  # one of TRANSPORTS, or AUTO: whatever each prefill worker's descriptor names
+        self.sinks: dict[str, KVTransferSink] = {}  # transport -> sink (a forced one now, auto's on first use)
+        if transport != AUTO:
+            self.sinks[transport] = make_sink(transport, self.kv_pool, self.layout)
+        self.sink_of: dict[int, KVTransferSink] = {}  # prefill worker -> the sink its pool is open in
         log.info("KV transport %s, %d blocks of %d tokens", transport, self.layout.num_blocks, self.layout.block_size)
         self.to_prefill: list[zmq.Socket] = [
             ipc.connect_push(self.ctx, ipc.prefill_addr(run_dir, i)) for i in range(num_prefill)
@@ -264,7 +268,7 @@ class DecodeWorker(WorkerBase):
         if not dst.dst:
             return PullHandle()
         self._ensure_peer(cmd.prefill_worker, cmd.pool_id)
-        return self.sink.pull(cmd.prefill_worker, dst.sources(cmd.block_ids), dst.dst)
+        return self.sink_of[cmd.prefill_worker].pull(cmd.prefill_worker, dst.sources(cmd.block_ids), dst.dst)
 
     def _release(self, cmd: HandoffCmd, wait_ms: int = 200) -> None:
         ipc.send(self.to_prefill[cmd.prefill_worker], ReleaseCmd(self.worker_id, [cmd.lease_id], cmd.pool_id), wait_ms)
@@ -288,17 +292,31 @@ class DecodeWorker(WorkerBase):
         """Handshake with a prefill worker once per pool (again after it restarted)."""
         if self.peers.get(prefill_worker) == pool_id:
             return
-        self.sink.close(prefill_worker)
+        old = self.sink_of.pop(prefill_worker, None)
+        if old is not None:
+            old.close(prefill_worker)
         self.peers.pop(prefill_worker, None)
         reply = self._handshake(prefill_worker)
         if not reply.ok:
             raise RuntimeError(f"prefill worker {prefill_worker} refused the handshake: {reply.error}")
-        self.sink.open(prefill_worker, reply.descriptor)  # NOTE: checks the descriptor's layout against ours
+        sink = self._sink(reply.descriptor.get("transport"), prefill_worker)
+        sink.open(prefill_worker, reply.descriptor)  # NOTE: checks the descriptor's layout against ours
+        self.sink_of[prefill_worker] = sink
         self.peers[prefill_worker] = reply.pool_id
         if reply.pool_id != pool_id:
             raise StalePoolError(
                 f"the handoff names pool {pool_id!r}; prefill worker {prefill_worker} has {reply.pool_id!r}"
             )
+
+    def _sink(self, kind: Any, prefill_worker: int) -> KVTransferSink:
+        """The sink of the transport a prefill worker's descriptor names (made on first use)."""
+        if kind not in TRANSPORTS or self.transport not in (AUTO, kind):
+            raise KVTransferError(f"prefill worker {prefill_worker} offers transport {kind!r}; ours: {self.transport}")
+        if kind not in self.sinks:
+            assert self.kv_pool is not None
+            self.sinks[kind] = make_sink(kind, self.kv_pool, self.layout)
+            log.info("KV transport %s with prefill worker %d", kind, prefill_worker)
+        return self.sinks[kind]
 
     def _handshake(self, prefill_worker: int) -> HandshakeEvent:
         sock = self.ctx.socket(zmq.REQ)

@@ -39,6 +39,18 @@ from kvtransfer.pool import KVPool
 
 Transport = Literal["shm", "cuda_ipc", "dist"]
 TRANSPORTS: tuple[Transport, ...] = ("shm", "cuda_ipc", "dist")
+AUTO = "auto"
+"""A cluster's transport choice besides forcing one of TRANSPORTS: each prefill/decode pair picks its own."""
+
+
+def pair_transport(choice: str, same_host: bool, device: torch.device) -> str:
+    """The transport of one prefill/decode pair: `choice` when it forces one; under auto the host-local one
+    (cuda_ipc for CUDA pools, shm for CPU ones) within a host, dist across hosts."""
+    if choice != AUTO:
+        return _check_kind(choice)
+    if not same_host:
+        return "dist"
+    return "cuda_ipc" if device.type == "cuda" else "shm"
 
 
 class KVTransferError(RuntimeError):
@@ -72,6 +84,9 @@ class KVTransferSource(ABC):
     @abstractmethod
     def _export(self) -> dict[str, Any]:
         """The transport's fields of the descriptor."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop serving sinks (default: nothing runs on the source's side)."""
 
 
 class PullHandle:

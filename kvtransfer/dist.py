@@ -1,13 +1,18 @@
-"""Cross-host transport: KV blocks travel over torch.distributed point-to-point (gloo; CPU pools) on one
-two-rank process group per prefill/decode pair. No hand-written sockets carry KV bytes.
+"""Cross-host transport: KV blocks travel over torch.distributed point-to-point on one two-rank process group
+per prefill/decode pair: gloo for CPU pools, NCCL for CUDA pools (request headers always go over gloo). No
+hand-written sockets carry KV bytes.
 
 Neither side can read the other's memory, so a pull is a request the source answers:
 - The source hosts a TCPStore (its address is the descriptor) and a daemon thread that watches it for new
-  sessions; each sink that opens the pool registers a session id there and joins a fresh ProcessGroupGloo
-  (rank 1) under that prefix; the source's thread joins it as rank 0 and serves it from its own thread.
-- pull: the sink sends a header [n, src ids...] (tag 0), the source gathers those blocks of its pool and
-  sends them as one tensor (tag 1), the sink scatters them into its pool. Synchronous: the handle is done on
-  return, so the lease is released as with shm. A header with n = -1 ends the session.
+  sessions; each sink that opens the pool registers a session id there and joins a fresh gloo group (rank 1)
+  under that prefix, plus an NCCL group for a CUDA pool; the source's thread joins them as rank 0 and serves
+  them from its own thread (on its own CUDA stream).
+- pull: the sink sends a header [n, src ids...] (gloo, tag 0), the source gathers those blocks of its pool
+  and sends them as one tensor (tag 1), the sink scatters them into its pool. CPU: synchronous, the handle is
+  done on return, so the lease is released as with shm. CUDA: the receive and the scatter are enqueued on the
+  sink's current stream without blocking the host; the handle's event completes after them, and the source
+  has sent every byte by then, so the lease is released as with cuda_ipc. A header with n = -1 ends the
+  session.
 NOTE: the serving thread reads leased blocks only (the prefill worker never writes a leased block), so it
 needs no lock with the worker's loop.
 NOTE: the store binds `host` (loopback unless the worker is told otherwise): crossing hosts is an explicit
@@ -41,14 +46,25 @@ WATCH_INTERVAL_S = 0.02
 SESSIONS_KEY = "sessions"
 
 
+def _groups(store: Any, rank: int, device: torch.device) -> tuple[Any, Any]:
+    """(control, data) groups of one session: gloo for headers; the data group is the same gloo group for a
+    CPU pool, an NCCL group for a CUDA pool (its communicator is made at the first send/receive)."""
+    ctrl = dist.ProcessGroupGloo(store, rank, 2, TIMEOUT)
+    if device.type != "cuda":
+        return ctrl, ctrl
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = TIMEOUT
+    return ctrl, dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, 2, opts)
+
+
 class DistSource(KVTransferSource):
-    """Serves pulls of a CPU pool to every sink that opens it, each on its own thread and process group."""
+    """Serves pulls of a pool (CPU or CUDA) to every sink that opens it, each on its own thread and groups."""
 
     transport = "dist"
 
     def __init__(self, pool: KVPool, host: str = "127.0.0.1") -> None:
-        if pool.device.type != "cpu":
-            raise KVTransferError("the dist transport serves CPU pools (gloo)")
+        if pool.device.type not in ("cpu", "cuda"):
+            raise KVTransferError(f"the dist transport serves CPU and CUDA pools, not {pool.device}")
         super().__init__(pool)
         self.host = host
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
@@ -57,7 +73,7 @@ class DistSource(KVTransferSource):
         threading.Thread(target=self._watch, name="kv-dist-watch", daemon=True).start()
 
     def _export(self) -> dict[str, Any]:
-        return {"host": self.host, "port": int(self.store.port)}
+        return {"host": self.host, "port": int(self.store.port), "device_type": self.pool.device.type}
 
     def close(self) -> None:
         self._stop.set()
@@ -73,23 +89,35 @@ class DistSource(KVTransferSource):
             seen = count
 
     def _serve(self, session: str) -> None:
+        device = self.pool.device
         try:
-            group: Any = dist.ProcessGroupGloo(dist.PrefixStore(session, self.store), 0, 2, TIMEOUT)
-            header = torch.empty(HEADER_LEN, dtype=torch.int64)
-            while not self._stop.is_set():
-                group.recv([header], 1, HEADER_TAG).wait()
-                n = int(header[0])
-                if n < 0:
-                    return
-                blocks = self.pool.tensor.index_select(2, header[1 : 1 + n])  # [L, 2, n, block, heads, dim]
-                group.send([blocks], 1, BLOCKS_TAG).wait()
-                self.num_served += n
-        except RuntimeError as exc:  # NOTE: the sink went away (gloo reports a closed connection)
+            ctrl, data = _groups(dist.PrefixStore(session, self.store), 0, device)
+            with _own_stream(device):
+                header = torch.empty(HEADER_LEN, dtype=torch.int64)
+                while not self._stop.is_set():
+                    ctrl.recv([header], 1, HEADER_TAG).wait()
+                    n = int(header[0])
+                    if n < 0:
+                        return
+                    ids = header[1 : 1 + n].to(device)
+                    blocks = self.pool.tensor.index_select(2, ids)  # [L, 2, n, block, heads, dim]
+                    data.send([blocks], 1, BLOCKS_TAG).wait()
+                    self.num_served += n
+        except RuntimeError as exc:  # NOTE: the sink went away (gloo or NCCL report a closed connection)
             log.info("KV session %s ended: %s", session, exc)
 
 
+def _own_stream(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """A serving thread's CUDA work on a stream of its own (not the worker's), nothing to do on CPU."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    torch.cuda.set_device(device)
+    return torch.cuda.stream(torch.cuda.Stream(device))
+
+
 class _Session(NamedTuple):
-    group: Any  # dist.ProcessGroupGloo
+    ctrl: Any  # dist.ProcessGroupGloo: headers
+    data: Any  # the same group (CPU pools) or a dist.ProcessGroupNCCL (CUDA pools): blocks
     layout: KVLayout
 
 
@@ -99,45 +127,54 @@ class DistSink(KVTransferSink):
     transport = "dist"
 
     def __init__(self, local_pool: KVPool, layout: KVLayout) -> None:
-        if local_pool.device.type != "cpu":
-            raise KVTransferError(f"the dist transport copies into a CPU pool, not {local_pool.device}")
+        if local_pool.device.type not in ("cpu", "cuda"):
+            raise KVTransferError(f"the dist transport copies into CPU and CUDA pools, not {local_pool.device}")
         super().__init__(local_pool, layout)
 
     def _attach(self, descriptor: dict[str, Any], remote_layout: KVLayout) -> _Session:
         host, port = descriptor_field(descriptor, "host", str), descriptor_field(descriptor, "port", int)
+        device = self.local_pool.device
+        if descriptor_field(descriptor, "device_type", str) != device.type:
+            raise KVTransferError(f"a {descriptor['device_type']} pool cannot be pulled into a {device.type} pool")
         session = uuid.uuid4().hex
         try:
             store = dist.TCPStore(host, port, is_master=False, timeout=TIMEOUT)
             n = store.add(SESSIONS_KEY, 1)
             store.set(f"{SESSIONS_KEY}/{n}", session)
-            group = dist.ProcessGroupGloo(dist.PrefixStore(session, store), 1, 2, TIMEOUT)
+            ctrl, data = _groups(dist.PrefixStore(session, store), 1, device)
         except RuntimeError as exc:
             raise KVTransferError(f"cannot reach the KV source at {host}:{port}: {exc}") from None
-        return _Session(group, remote_layout)
+        return _Session(ctrl, data, remote_layout)
 
     def _detach(self, handle: Any) -> None:
         with contextlib.suppress(RuntimeError):  # NOTE: the source may be gone already
             end = torch.zeros(HEADER_LEN, dtype=torch.int64)
             end[0] = -1
-            handle.group.send([end], 0, HEADER_TAG).wait()
+            handle.ctrl.send([end], 0, HEADER_TAG).wait()
 
     def _copy(self, remote: Any, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
         for start in range(0, len(src_block_ids), MAX_BLOCKS_PER_MESSAGE):
             src = src_block_ids[start : start + MAX_BLOCKS_PER_MESSAGE]
             dst = torch.tensor(dst_block_ids[start : start + MAX_BLOCKS_PER_MESSAGE], dtype=torch.long)
             self._pull_chunk(remote, src, dst)
-        return PullHandle()
+        if self.local_pool.device.type != "cuda":
+            return PullHandle()
+        event = torch.cuda.Event()
+        event.record()  # NOTE: after the receives and scatters on the current stream
+        return PullHandle(event)
 
     def _pull_chunk(self, remote: _Session, src: list[int], dst: torch.Tensor) -> None:
+        """Ask for blocks src and scatter them into dst; on CUDA, enqueued on the current stream."""
         header = torch.zeros(HEADER_LEN, dtype=torch.int64)
         header[0] = len(src)
         header[1 : 1 + len(src)] = torch.tensor(src, dtype=torch.int64)
         shape = list(self.layout.shape)
         shape[2] = len(src)
-        blocks = torch.empty(shape, dtype=self.layout.torch_dtype)
+        device = self.local_pool.device
+        blocks = torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
         try:
-            remote.group.send([header], 0, HEADER_TAG).wait()
-            remote.group.recv([blocks], 0, BLOCKS_TAG).wait()
+            remote.ctrl.send([header], 0, HEADER_TAG).wait()
+            remote.data.recv([blocks], 0, BLOCKS_TAG).wait()  # NOTE: NCCL: the current stream waits, not the host
         except RuntimeError as exc:
             raise KVTransferError(f"KV pull failed: {exc}") from None
-        self.local_pool.tensor.index_copy_(2, dst, blocks)
+        self.local_pool.tensor.index_copy_(2, dst.to(device), blocks)

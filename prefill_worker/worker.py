@@ -31,7 +31,7 @@ from core.messages import (
     params_to_sampling,
 )
 from core.worker_base import WorkerBase
-from kvtransfer.base import KVTransferSource, make_source
+from kvtransfer.base import AUTO, KVTransferError, KVTransferSource, make_source, pair_transport
 from kvtransfer.layout import KVLayout, LayoutMismatchError, check_compatible
 from kvtransfer.lease import LeaseTable
 from kvtransfer.pool import KVPool, allocate_kv_pool, remove_stale_segments
@@ -62,10 +62,12 @@ class PrefillWorker(WorkerBase):
         lease_ttl: float = 30.0,
     ) -> None:
         super().__init__(worker_id, run_dir, ipc.prefill_addr(run_dir, worker_id), heartbeat_interval)
-        self.transport = transport
+        self.transport = transport  # one of TRANSPORTS, or AUTO: per decode worker (kvtransfer.base.pair_transport)
         self.lease_ttl = lease_ttl
         self.cfg = cfg
-        if transport == "shm":
+        self.host = ipc.host_of(run_dir, "prefill", worker_id)
+        self.shared_pool = transport in ("shm", AUTO) and torch.device(cfg.device).type == "cpu"
+        if self.shared_pool:
             for name in remove_stale_segments():
                 log.info("removed a stale KV segment %s", name)
         self.kv_pool: KVPool | None = None
@@ -74,7 +76,10 @@ class PrefillWorker(WorkerBase):
         self.warm_up()
         self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
         assert self.kv_pool is not None
-        self.source: KVTransferSource = make_source(transport, self.kv_pool, ipc.host_of(run_dir, "prefill", worker_id))
+        # NOTE: a forced transport is opened now (a wrong choice fails at start); auto opens one per kind on demand
+        self.sources: dict[str, KVTransferSource] = {}
+        if transport != AUTO:
+            self.sources[transport] = make_source(transport, self.kv_pool, self.host)
         log.info("KV transport %s, %d blocks of %d tokens", transport, self.layout.num_blocks, self.layout.block_size)
         self.leases: LeaseTable = LeaseTable()
         self.handshake = self.ctx.socket(zmq.REP)
@@ -90,7 +95,7 @@ class PrefillWorker(WorkerBase):
 
     def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
         layout = KVLayout.from_engine_config(self.cfg, num_blocks)
-        self.kv_pool = allocate_kv_pool(layout, torch.device(self.cfg.device), shared=self.transport == "shm")
+        self.kv_pool = allocate_kv_pool(layout, torch.device(self.cfg.device), shared=self.shared_pool)
         return self.kv_pool.tensor
 
     def layout_fingerprint(self) -> dict[str, Any]:
@@ -138,11 +143,24 @@ class PrefillWorker(WorkerBase):
             if not isinstance(msg.fingerprint, dict):
                 raise MessageError(f"fingerprint is {type(msg.fingerprint).__name__}, not a mapping")
             check_compatible(self.layout.fingerprint(), msg.fingerprint)
-            reply = HandshakeEvent(ok=True, descriptor=self.source.descriptor(), pool_id=self.incarnation)
-        except (MessageError, LayoutMismatchError) as exc:
+            descriptor = self._source_for(msg.decode_worker).descriptor()
+            reply = HandshakeEvent(ok=True, descriptor=descriptor, pool_id=self.incarnation)
+        except (MessageError, LayoutMismatchError, KVTransferError) as exc:
             log.error("refused a handshake: %s", exc)
             reply = HandshakeEvent(ok=False, error=str(exc))
         sock.send(encode(reply))
+
+    def _source_for(self, decode_worker: Any) -> KVTransferSource:
+        """The source of the transport this worker uses with decode_worker (opened on first use)."""
+        if type(decode_worker) is not int or not 0 <= decode_worker < len(self.to_decode):
+            raise MessageError(f"a handshake from unknown decode worker {decode_worker!r}")
+        assert self.kv_pool is not None
+        same_host = ipc.host_of(self.run_dir, "decode", decode_worker) == self.host
+        kind = pair_transport(self.transport, same_host, self.kv_pool.device)
+        if kind not in self.sources:
+            self.sources[kind] = make_source(kind, self.kv_pool, self.host)
+            log.info("KV transport %s opened (first for decode worker %d)", kind, decode_worker)
+        return self.sources[kind]
 
     # --- engine ---------------------------------------------------------------------------------------
     def step_engine(self) -> bool:
@@ -204,5 +222,7 @@ class PrefillWorker(WorkerBase):
 
     def close(self) -> None:
         super().close()
+        for source in self.sources.values():
+            source.close()
         if self.kv_pool is not None:
             self.kv_pool.close()

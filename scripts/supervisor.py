@@ -318,7 +318,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--device", default="cpu")
     p.add_argument(
-        "--transport", default=None, help="shm | cuda_ipc | dist (default: dist over hosts, cuda_ipc on cuda, else shm)"
+        "--transport",
+        default="auto",
+        choices=["auto", "shm", "cuda_ipc", "dist"],
+        help="auto: per prefill/decode pair, cuda_ipc (CUDA) or shm (CPU) within a host, dist across hosts; "
+        "or one transport for every pair",
     )
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--bind", default="127.0.0.1")
@@ -392,7 +396,7 @@ def _add_placement_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Cross-flag checks and derived values (transport, topology, colocated)."""
+    """Cross-flag checks and derived values (topology, colocated)."""
     topology = None
     if args.topology is not None:
         try:
@@ -400,9 +404,6 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         except ValueError as exc:
             p.error(str(exc))
     args.topology_json = topology
-    if args.transport is None:
-        spread = topology is not None and len({topology["router"], *topology["prefill"], *topology["decode"]}) > 1
-        args.transport = "dist" if spread else "cuda_ipc" if args.device.startswith("cuda") else "shm"
     if args.colocated:
         args.prefill = 0
     elif args.prefill < 1:

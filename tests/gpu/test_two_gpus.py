@@ -1,6 +1,6 @@
-"""Prefill on GPU 0, decode on GPU 1 (--prefill-gpus 0 --decode-gpus 1): the decode worker maps the prefill
-pool by CUDA IPC and pulls with peer copies; greedy tokens in fp32 equal transformers on the GPU; MPS stays off
-(no GPU is shared); every block comes back."""
+"""Prefill on GPU 0, decode on GPU 1 (--prefill-gpus 0 --decode-gpus 1): by default the decode worker maps the
+prefill pool by CUDA IPC and pulls with peer copies; forced to the dist transport, the blocks go over NCCL.
+Greedy tokens in fp32 equal transformers on the GPU; MPS stays off (no GPU is shared); every block comes back."""
 
 from __future__ import annotations
 
@@ -40,5 +40,22 @@ def test_prefill_and_decode_on_two_gpus_match_transformers(tiny_llama_dir: Path,
         wait_blocks_returned(cluster)
         assert cluster.stats("decode", 0)["counters"]["blocks_pulled"] > 0
         assert not any("MPS on" in line for line in cluster.output)
+    finally:
+        cluster.stop()
+
+
+def test_forced_nccl_dist_transport_between_two_gpus_matches_transformers(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """--transport dist on CUDA pools: the blocks travel over NCCL point-to-point (headers over gloo)."""
+    flags = ("--num-blocks", "512", "--prefill-gpus", "0", "--decode-gpus", "1", "--transport", "dist")
+    cluster = Cluster(tiny_llama_dir, tmp_path / "run", 1, 1, *flags, device="cuda")
+    try:
+        cluster.wait_ready()
+        prompts = random_prompts(1024, [1 + 9 * i for i in range(16)], seed=64)
+        responses = asyncio.run(generate_all(cluster.address, prompts, max_tokens=NEW_TOKENS))
+        expected, _ = hf_greedy_cuda(tiny_llama_dir, prompts)
+        assert [tokens_of(r) for r in responses] == expected
+        wait_blocks_returned(cluster)
+        assert cluster.stats("decode", 0)["counters"]["blocks_pulled"] > 0
+        assert "KV transport dist with prefill worker 0" in (cluster.run_dir / "logs" / "decode-0.log").read_text()
     finally:
         cluster.stop()

@@ -190,8 +190,9 @@ def harness(tiny_llama_dir: Path) -> Iterator[Harness]:
     worker = DecodeWorker(cfg, 0, run_dir, num_prefill=1, transport="shm")
     source = allocate_kv_pool(replace(worker.layout, num_blocks=16), "cpu", shared=True)
     source.tensor.copy_(torch.randn(source.layout.shape, generator=torch.Generator().manual_seed(0)))
-    worker.sink.open(0, make_source("shm", source).descriptor())
+    worker.sinks["shm"].open(0, make_source("shm", source).descriptor())
     worker.peers[0] = POOL_ID  # the handshake with prefill worker 0 is done
+    worker.sink_of[0] = worker.sinks["shm"]
     try:
         yield Harness(worker, source, prefill, router)
     finally:
@@ -207,9 +208,10 @@ def handoff(request_id: str, lease_id: int, prompt: list[int], block_ids: list[i
 
 
 def recording_sink(worker: DecodeWorker) -> RecordingSink:
-    assert isinstance(worker.sink, ShmSink)
-    worker.sink = RecordingSink(worker.sink)
-    return worker.sink
+    sink = worker.sink_of[0]
+    assert isinstance(sink, ShmSink)
+    worker.sink_of[0] = wrapped = RecordingSink(sink)
+    return wrapped
 
 
 def test_decode_worker_pulls_only_the_blocks_it_does_not_hold(harness: Harness) -> None:

@@ -81,6 +81,7 @@ def harness(tiny_llama_dir: Path) -> Iterator[Harness]:
     cfg = EngineConfig(ModelConfig.from_pretrained(tiny_llama_dir), CacheConfig(num_blocks=24), device="cpu")
     worker = DecodeWorker(cfg, 0, run_dir, num_prefill=1, transport="shm")
     worker.peers[0] = POOL_ID  # the handshake with prefill worker 0 is done
+    worker.sink_of[0] = worker.sinks["shm"]
     try:
         yield Harness(worker, prefill, router)
     finally:
@@ -90,9 +91,10 @@ def harness(tiny_llama_dir: Path) -> Iterator[Harness]:
 
 
 def async_sink(worker: DecodeWorker) -> AsyncSink:
-    assert isinstance(worker.sink, ShmSink)
-    worker.sink = AsyncSink(worker.sink)
-    return worker.sink
+    sink = worker.sink_of[0]
+    assert isinstance(sink, ShmSink)
+    worker.sink_of[0] = wrapped = AsyncSink(sink)
+    return wrapped
 
 
 def handoff(request_id: str, lease_id: int, block_ids: list[int] | None = None) -> HandoffCmd:
@@ -187,7 +189,7 @@ def test_shm_pull_is_synchronous_so_the_lease_is_released_in_the_same_call(harne
     source = allocate_kv_pool(replace(worker.layout, num_blocks=16), "cpu", shared=True)
     try:
         source.tensor.copy_(torch.randn(source.layout.shape, generator=torch.Generator().manual_seed(0)))
-        worker.sink.open(0, make_source("shm", source).descriptor())
+        worker.sinks["shm"].open(0, make_source("shm", source).descriptor())
         worker.handle(handoff("a", lease_id=6, block_ids=[11, 2]))
         assert worker.counters()["releases_pending"] == 0
         assert received(harness.prefill, 1) == [ReleaseCmd(0, [6], POOL_ID)]

@@ -1,6 +1,7 @@
 """The dist transport (gloo point-to-point, kvtransfer/dist.py): a sink pulls exact blocks from a source's
 pool, several pulls and several sinks at once, pulls longer than one message, a refused layout; a sink whose
-source is gone gets KVTransferError. (Between real processes: tests/e2e/test_cluster_dist.py.)"""
+source is gone gets KVTransferError; which transport a prefill/decode pair takes. (Between real processes:
+tests/e2e/test_cluster_dist.py, tests/e2e/test_pair_transport.py; NCCL between two GPUs: tests/gpu/test_two_gpus.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from kvtransfer import dist as kvdist
-from kvtransfer.base import KVTransferError, make_sink, make_source
+from kvtransfer.base import KVTransferError, make_sink, make_source, pair_transport
 from kvtransfer.layout import KVLayout, LayoutMismatchError
 from kvtransfer.pool import allocate_kv_pool
 
@@ -69,4 +70,32 @@ def test_an_unreachable_source_is_a_transfer_error(monkeypatch: pytest.MonkeyPat
     sink = make_sink("dist", allocate_kv_pool(SINK, "cpu", shared=False), SINK)
     desc = {"transport": "dist", "fingerprint": LAYOUT.fingerprint(), "num_blocks": 32, "shape": list(LAYOUT.shape)}
     with pytest.raises(KVTransferError, match="cannot reach the KV source"):
-        sink.open(0, {**desc, "host": "127.0.0.1", "port": 1})
+        sink.open(0, {**desc, "host": "127.0.0.1", "port": 1, "device_type": "cpu"})
+
+
+def test_a_cuda_source_is_refused_by_a_cpu_sink(source: kvdist.DistSource) -> None:
+    """NCCL carries the blocks of a CUDA pool: they cannot be received into a CPU pool (nor the reverse)."""
+    sink = make_sink("dist", allocate_kv_pool(SINK, "cpu", shared=False), SINK)
+    with pytest.raises(KVTransferError, match="a cuda pool cannot be pulled into a cpu pool"):
+        sink.open(0, {**descriptor(source), "device_type": "cuda"})
+    assert descriptor(source)["device_type"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("choice", "same_host", "device", "expected"),
+    [
+        ("auto", True, "cpu", "shm"),
+        ("auto", True, "cuda", "cuda_ipc"),
+        ("auto", False, "cpu", "dist"),
+        ("auto", False, "cuda", "dist"),
+        ("dist", True, "cuda", "dist"),
+        ("shm", False, "cpu", "shm"),
+    ],
+)
+def test_pair_transport_picks_by_host_unless_forced(choice: str, same_host: bool, device: str, expected: str) -> None:
+    assert pair_transport(choice, same_host, torch.device(device)) == expected
+
+
+def test_pair_transport_rejects_unknown_choices() -> None:
+    with pytest.raises(ValueError, match="unknown KV transport 'nixl'"):
+        pair_transport("nixl", True, torch.device("cpu"))
