@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from core.block_pool import BlockPool, hash_block_tokens
+from core.block_pool import BlockPool, hash_block_tokens, hash_full_blocks
 from core.request import Request
 
 
@@ -188,8 +188,9 @@ class KVCacheManager:
         while a decode step is in flight) must never enter a hash.
         """
         bs, hashes = self.block_size, req.block_hashes
-        for i in range(len(hashes), req.num_tokens // bs if num_blocks is None else num_blocks):
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, req.token_ids[i * bs : (i + 1) * bs]))
+        start, end = len(hashes), req.num_tokens // bs if num_blocks is None else num_blocks
+        if end > start:  # NOTE: one conversion of the new tokens to bytes, not one per block
+            hashes.extend(hash_full_blocks(req.token_ids[start * bs : end * bs], bs, hashes[-1] if hashes else None))
         return hashes
 
     def _final_hash(self, req: Request) -> int:
