@@ -23,17 +23,23 @@ from tests.models import make_tiny_llama
 pytestmark = pytest.mark.gpu
 
 
+def assert_serves_like_transformers(cluster: Cluster, model_dir: Path, seed: int) -> None:
+    """16 prompts through the cluster: greedy tokens equal transformers on the GPU, every block comes back,
+    and the decode worker pulled blocks (it did not prefill)."""
+    prompts = random_prompts(1024, [1 + 9 * i for i in range(16)], seed=seed)
+    responses = asyncio.run(generate_all(cluster.address, prompts, max_tokens=NEW_TOKENS))
+    expected, _ = hf_greedy_cuda(model_dir, prompts)
+    assert [tokens_of(r) for r in responses] == expected
+    wait_blocks_returned(cluster)
+    decode = cluster.stats("decode", 0)["counters"]
+    assert decode["prefill_tokens_computed"] == 0 and decode["blocks_pulled"] > 0
+
+
 def test_cuda_cluster_matches_transformers_on_gpu(tiny_llama_dir: Path, tmp_path: Path) -> None:
     cluster = Cluster(tiny_llama_dir, tmp_path / "run", 1, 1, "--num-blocks", "512", device="cuda")
     try:
         cluster.wait_ready()
-        prompts = random_prompts(1024, [1 + 9 * i for i in range(16)], seed=61)
-        responses = asyncio.run(generate_all(cluster.address, prompts, max_tokens=NEW_TOKENS))
-        expected, _ = hf_greedy_cuda(tiny_llama_dir, prompts)
-        assert [tokens_of(r) for r in responses] == expected
-        wait_blocks_returned(cluster)
-        decode = cluster.stats("decode", 0)["counters"]
-        assert decode["prefill_tokens_computed"] == 0 and decode["blocks_pulled"] > 0
+        assert_serves_like_transformers(cluster, tiny_llama_dir, seed=61)
         assert "KV transport cuda_ipc" in (tmp_path / "run" / "logs" / "decode-0.log").read_text()
         if shutil.which("nvidia-cuda-mps-control"):
             assert any("MPS on, SM share prefill/decode 50/50%" in line for line in cluster.output)

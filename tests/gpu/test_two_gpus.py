@@ -4,16 +4,13 @@ Greedy tokens in fp32 equal transformers on the GPU; MPS stays off (no GPU is sh
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.e2e.cluster import Cluster
-from tests.e2e.test_cluster import generate_all, tokens_of, wait_blocks_returned
-from tests.hf_reference import random_prompts
-from tests.kernels.test_engine_cuda import NEW_TOKENS, hf_greedy_cuda
+from tests.gpu.test_cluster_cuda import assert_serves_like_transformers
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,12 +30,7 @@ def test_prefill_and_decode_on_two_gpus_match_transformers(tiny_llama_dir: Path,
         cluster.wait_ready()
         assert visible_devices(cluster.pid("prefill-0")) == "0"
         assert visible_devices(cluster.pid("decode-0")) == "1,0"
-        prompts = random_prompts(1024, [1 + 9 * i for i in range(16)], seed=63)
-        responses = asyncio.run(generate_all(cluster.address, prompts, max_tokens=NEW_TOKENS))
-        expected, _ = hf_greedy_cuda(tiny_llama_dir, prompts)
-        assert [tokens_of(r) for r in responses] == expected
-        wait_blocks_returned(cluster)
-        assert cluster.stats("decode", 0)["counters"]["blocks_pulled"] > 0
+        assert_serves_like_transformers(cluster, tiny_llama_dir, seed=63)
         assert not any("MPS on" in line for line in cluster.output)
     finally:
         cluster.stop()
@@ -50,12 +42,7 @@ def test_forced_nccl_dist_transport_between_two_gpus_matches_transformers(tiny_l
     cluster = Cluster(tiny_llama_dir, tmp_path / "run", 1, 1, *flags, device="cuda")
     try:
         cluster.wait_ready()
-        prompts = random_prompts(1024, [1 + 9 * i for i in range(16)], seed=64)
-        responses = asyncio.run(generate_all(cluster.address, prompts, max_tokens=NEW_TOKENS))
-        expected, _ = hf_greedy_cuda(tiny_llama_dir, prompts)
-        assert [tokens_of(r) for r in responses] == expected
-        wait_blocks_returned(cluster)
-        assert cluster.stats("decode", 0)["counters"]["blocks_pulled"] > 0
+        assert_serves_like_transformers(cluster, tiny_llama_dir, seed=64)
         assert "KV transport dist with prefill worker 0" in (cluster.run_dir / "logs" / "decode-0.log").read_text()
     finally:
         cluster.stop()
