@@ -11,7 +11,7 @@ import torch
 from core.block_pool import BlockPool
 from core.config import EngineConfig
 from core.errors import InvalidRequestError
-from core.kv_cache_manager import KVCacheManager
+from core.kv_cache_manager import CachedLogits, KVCacheManager
 from core.model_runner import KVAllocator, ModelRunner, is_decode_pass
 from core.request import Request, RequestStatus
 from core.sampler import Sampler, SamplingState
@@ -220,14 +220,15 @@ class Engine:
         outputs = self._read_in_flight()
         if outputs:  # NOTE: requests that the read just finished leave the plan
             plan.chunks = [c for c in plan.chunks if c.req.status is not RequestStatus.FINISHED]
-        sampled, rows = self._run(plan)
+        sampled, rows, known = self._run(plan)
+        outputs += [self._accept(req, token, None, None) for req, token in known]
         if not sampled:
             return outputs
         tokens = self.sampler.sample(rows, [r.sampling for r, _ in sampled]).tolist()
         # NOTE: only a prompt's first token may cache its logits row; other rows are never sliced out.
         return outputs + [
-            self._accept(req, token, rows[i] if computed and req.num_output_tokens == 0 else None)
-            for i, ((req, computed), token) in enumerate(zip(sampled, tokens, strict=True))
+            self._accept(req, token, rows[i] if hit is None and req.num_output_tokens == 0 else None, hit)
+            for i, ((req, hit), token) in enumerate(zip(sampled, tokens, strict=True))
         ]
 
     def _overlaps(self, plan: StepPlan) -> bool:
@@ -280,10 +281,13 @@ class Engine:
             outputs.append(self._stop_or_continue(req, token, index + 1))
         return outputs
 
-    def _run(self, plan: StepPlan) -> tuple[list[tuple[Request, bool]], torch.Tensor]:
-        """Forward pass + cached hits -> (request, computed by this pass) pairs that sample now, and their
-        logits rows in the same order."""
-        sampled: list[tuple[Request, bool]] = []
+    def _run(
+        self, plan: StepPlan
+    ) -> tuple[list[tuple[Request, CachedLogits | None]], torch.Tensor, list[tuple[Request, int]]]:
+        """Forward pass + cached hits -> the requests that sample now with their hit (None: computed by this
+        pass), their logits rows in the same order, and the hits whose first token is already known."""
+        sampled: list[tuple[Request, CachedLogits | None]] = []
+        known: list[tuple[Request, int]] = []
         parts: list[torch.Tensor] = []
         if plan.chunks:
             parts.append(self.runner.execute(plan))
@@ -294,20 +298,27 @@ class Engine:
                 )
                 req.num_computed_tokens += chunk.num_tokens
                 if samples:
-                    sampled.append((req, True))
+                    sampled.append((req, None))
                 else:
                     self.kv.commit(req, None)
-        for req, row in plan.cached_hits:
+        for req, hit in plan.cached_hits:
             self.stats.num_full_hits += 1
-            sampled.append((req, False))
-            parts.append(row[None])
+            if hit.greedy_token is not None and req.sampling.plain_greedy():
+                known.append((req, hit.greedy_token))
+                continue
+            sampled.append((req, hit))
+            parts.append(hit.row[None])
         if len(parts) == 1:
-            return sampled, parts[0]
-        return sampled, torch.cat(parts) if parts else torch.empty(0)
+            return sampled, parts[0], known
+        return sampled, torch.cat(parts) if parts else torch.empty(0), known
 
-    def _accept(self, req: Request, token: int, row: torch.Tensor | None) -> RequestOutput:
-        """Cache what the pass computed, append the sampled token, finish the request if it stopped."""
-        self.kv.commit(req, row)
+    def _accept(self, req: Request, token: int, row: torch.Tensor | None, hit: CachedLogits | None) -> RequestOutput:
+        """Cache what the pass computed (a plain greedy token with its row or hit), append the sampled token,
+        finish the request if it stopped."""
+        greedy = token if req.sampling.plain_greedy() else None
+        if hit is not None and greedy is not None:
+            hit.greedy_token = greedy
+        self.kv.commit(req, row, greedy)
         tokens = req.token_ids
         if len(tokens) == req.num_prompt_tokens:
             self.stats.num_cached_prompt_tokens += req.num_cached_tokens

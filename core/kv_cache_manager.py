@@ -6,6 +6,7 @@ The scheduler calls this; it never touches tensors except the small last_logits 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -21,25 +22,35 @@ class BlockCopy(NamedTuple):
     dst: int
 
 
+@dataclass(slots=True)
+class CachedLogits:
+    """A whole prompt's last_logits row, and its greedy token once known on the host."""
+
+    row: torch.Tensor  # [vocab], on the device: a small clone, never a view of a batch's logits
+    greedy_token: int | None = None
+    """argmax(row), set when a plain greedy request has sampled this row: a later plain greedy hit takes its
+    first token from here with no device work at all (no kernel, no sync)."""
+
+
 class LogitsCache:
-    """LRU map from a whole prompt's final block hash to its last_logits row, kept on the device."""
+    """LRU map from a whole prompt's final block hash to its CachedLogits."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._entries: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._entries: OrderedDict[int, CachedLogits] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: int) -> torch.Tensor | None:
-        row = self._entries.get(key)
-        if row is not None:
+    def get(self, key: int) -> CachedLogits | None:
+        entry = self._entries.get(key)
+        if entry is not None:
             self._entries.move_to_end(key)
-        return row
+        return entry
 
-    def put(self, key: int, row: torch.Tensor) -> None:
+    def put(self, key: int, row: torch.Tensor, greedy_token: int | None = None) -> None:
         # NOTE: a clone, so the cache never pins the batch's logits tensor.
-        self._entries[key] = row.detach().clone()
+        self._entries[key] = CachedLogits(row.detach().clone(), greedy_token)
         self._entries.move_to_end(key)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
@@ -57,11 +68,11 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def admit(self, req: Request) -> torch.Tensor | None | bool:
+    def admit(self, req: Request) -> CachedLogits | None | bool:
         """Match req's tokens against the cache and allocate blocks for all of them.
 
         Returns False when the pool lacks room (nothing changed); otherwise sets req.num_computed_tokens
-        and returns the cached last_logits on a whole-prompt hit (no forward needed) or None.
+        and returns the cached last_logits entry on a whole-prompt hit (no forward needed) or None.
         """
         matched, logits = self._match(req) if self.enable_caching else ([], None)
         num_new = self.blocks_needed(req.num_tokens) - len(matched)
@@ -107,7 +118,7 @@ class KVCacheManager:
         num_reusable = sum(1 for b in matched if self.pool.ref_cnt(b) == 0)
         return num_new <= self.pool.num_free_blocks - num_reusable
 
-    def _match(self, req: Request) -> tuple[list[int], torch.Tensor | None]:
+    def _match(self, req: Request) -> tuple[list[int], CachedLogits | None]:
         """Longest cached run of req's blocks, and last_logits when every token (tail too) is cached."""
         hashes = self._extend_hashes(req)
         matched = self.pool.match_prefix(hashes)
@@ -144,9 +155,10 @@ class KVCacheManager:
             req.block_ids.extend(self.pool.allocate(needed))
         return True
 
-    def commit(self, req: Request, last_logits: torch.Tensor | None) -> None:
+    def commit(self, req: Request, last_logits: torch.Tensor | None, greedy_token: int | None = None) -> None:
         """After a forward pass: offer newly full blocks to the prefix cache; when the prompt has just been
-        computed, cache its last_logits row and its partial tail block too."""
+        computed, cache its last_logits row (with greedy_token: its argmax, when the caller knows it) and its
+        partial tail block too."""
         if not self.enable_caching:
             return
         self.cache_full_blocks(req)
@@ -156,7 +168,7 @@ class KVCacheManager:
         final_hash = self._final_hash(req)
         if req.num_tokens % self.block_size:
             req.tail_shared = self.pool.cache_block(req.block_ids[-1], final_hash)
-        self.logits.put(final_hash, last_logits)
+        self.logits.put(final_hash, last_logits, greedy_token)
 
     def cache_full_blocks(self, req: Request) -> None:
         """Offer req's computed full blocks not offered yet to the prefix cache.

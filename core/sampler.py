@@ -43,6 +43,10 @@ class SamplingState:
         """Whether the next token must not be a stop id (fewer than min_tokens exist yet)."""
         return self.num_generated < self.params.min_tokens
 
+    def plain_greedy(self) -> bool:
+        """Whether the next token is the argmax of its logits row as it is (greedy, no stop id masked)."""
+        return self.params.greedy and not self.needs_stop_mask()
+
     def check_stop(self, token_id: int) -> FinishReason | None:
         """Record one generated token (num_generated += 1) and say whether the request is done:
         'stop' if token_id is a stop id and num_generated >= min_tokens, 'length' if
@@ -97,10 +101,10 @@ class Sampler:
         """logits: [batch, vocab] (any float dtype; work in float32). Returns [batch] int64 token ids on
         logits.device. Does not modify logits or states (the caller calls check_stop after)."""
         self._check_inputs(logits, states)
+        if all(s.plain_greedy() for s in states):
+            return logits.argmax(dim=-1)  # [batch]
         needs_mask = any(s.needs_stop_mask() for s in states)
         all_greedy = all(s.params.greedy for s in states)
-        if all_greedy and not needs_mask:
-            return logits.argmax(dim=-1)  # [batch]
         x = logits.float()  # [batch, vocab]
         if needs_mask:
             x = self._mask_stop_ids(x, states)

@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
 from core.config import SchedulerConfig
-from core.kv_cache_manager import BlockCopy, KVCacheManager
+from core.kv_cache_manager import BlockCopy, CachedLogits, KVCacheManager
 from core.request import Request, RequestStatus
 
 
@@ -31,8 +29,8 @@ class StepPlan:
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     """Token ranges for the forward pass (empty: no forward pass)."""
-    cached_hits: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
-    """Whole-prompt hits: the first token is sampled from these cached last_logits rows."""
+    cached_hits: list[tuple[Request, CachedLogits]] = field(default_factory=list)
+    """Whole-prompt hits: the first token comes from these cached last_logits entries."""
     copies: list[BlockCopy] = field(default_factory=list)
     """Copy-on-write block copies to run before the forward pass."""
     preempted: list[Request] = field(default_factory=list)
@@ -102,7 +100,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            if isinstance(hit, torch.Tensor):
+            if isinstance(hit, CachedLogits):
                 plan.cached_hits.append((req, hit))
                 continue
             if self.kv.enable_caching:

@@ -6,9 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from core.engine import Engine
+from core.sampler import SamplingState
 from core.sampling_params import SamplingParams
 from tests.hf_reference import random_prompts
 
@@ -66,6 +68,44 @@ def test_whole_prompt_hit_runs_no_forward_pass(tiny_llama_dir: Path, reference: 
     assert engine.stats.num_full_hits == 1
     assert engine.generate([prompt], GREEDY) == first == uncached(reference, [prompt])
     assert engine.pool.num_used_blocks == 0
+
+
+class CountingSampler:
+    """Wraps the engine's sampler and counts the rows it samples."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.inner, self.rows = engine.sampler, 0
+        engine.sampler = self  # type: ignore[assignment]
+
+    def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        self.rows += len(states)
+        return self.inner.sample(logits, states)
+
+
+def test_a_plain_greedy_hit_takes_the_cached_greedy_token_without_sampling(tiny_llama_dir: Path) -> None:
+    (prompt,) = random_prompts(1024, (2 * BS + 5,), seed=14)
+    engine = engine_for(tiny_llama_dir)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    first = engine.generate([prompt], one)
+    sampler = CountingSampler(engine)
+    assert engine.generate([prompt, prompt], one) == [first[0]] * 2
+    assert sampler.rows == 0 and engine.stats.num_full_hits == 2
+    # min_tokens masks the stop ids: the row's argmax may not be its token, so it samples the cached row
+    masked = SamplingParams(temperature=0.0, max_tokens=1, min_tokens=1)
+    engine.generate([prompt], masked)
+    assert sampler.rows == 1 and engine.stats.num_full_hits == 3
+
+
+def test_a_greedy_hit_on_a_row_cached_by_random_sampling_fills_its_greedy_token(tiny_llama_dir: Path) -> None:
+    (prompt,) = random_prompts(1024, (2 * BS + 5,), seed=15)
+    reference = engine_for(tiny_llama_dir, caching=False).generate([prompt], GREEDY)[0][:1]
+    engine = engine_for(tiny_llama_dir)
+    engine.generate([prompt], SamplingParams(temperature=1.0, max_tokens=1, seed=3, ignore_eos=True))
+    sampler = CountingSampler(engine)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    assert engine.generate([prompt], one) == [reference]  # samples the cached row once
+    assert engine.generate([prompt], one) == [reference]  # then knows its token
+    assert sampler.rows == 1 and engine.stats.num_full_hits == 2
 
 
 def test_concurrent_whole_prompt_hits_copy_the_shared_tail(tiny_llama_dir: Path, reference: Engine) -> None:
