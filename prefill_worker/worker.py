@@ -165,8 +165,12 @@ class PrefillWorker(WorkerBase):
     # --- engine ---------------------------------------------------------------------------------------
     def step_engine(self) -> bool:
         outputs = self.engine.step()
-        for out in outputs:
-            self._first_token(out)
+        # NOTE: every first token goes out before any handoff is built: a burst of hits in one step must not
+        # wait on the handoffs (a 1000-token HandoffCmd to encode and send) of the requests before it.
+        sent = [(out, self._first_token(out)) for out in outputs]
+        for out, (cmd, timings) in sent:
+            if not out.finished:
+                self._hand_off(out, cmd, timings)
         return bool(outputs)
 
     def after_step(self) -> None:
@@ -175,7 +179,8 @@ class PrefillWorker(WorkerBase):
             log.warning("reclaimed %d blocks of expired leases", len(expired))
             self.engine.release_blocks(expired)
 
-    def _first_token(self, out: RequestOutput) -> None:
+    def _first_token(self, out: RequestOutput) -> tuple[_Pending, Timings]:
+        """Send the request's first token to the router; its pending entry and timings for the handoff."""
         cmd = self.pending.pop(out.request_id)
         now = time.time()
         timings = Timings(arrival=cmd.arrival, prefill_start=cmd.prefill_start, prefill_end=now, first_token=now)
@@ -193,7 +198,10 @@ class PrefillWorker(WorkerBase):
         )
         if out.finished:
             log.info("request %s finished at prefill: %s", out.request_id, out.finish_reason)
-            return
+        return cmd, timings
+
+    def _hand_off(self, out: RequestOutput, cmd: _Pending, timings: Timings) -> None:
+        """Lease the request's blocks to its decode worker and send it the HandoffCmd."""
         req = self.engine.detach(out.request_id)
         lease_id = self.leases.grant(req.request_id, cmd.decode_worker, req.block_ids, time.monotonic(), self.lease_ttl)
         handoff = HandoffCmd(
