@@ -82,7 +82,7 @@ class PrefillWorker(WorkerBase):
             self.sources[transport] = make_source(transport, self.kv_pool, self.host)
         log.info("KV transport %s, %d blocks of %d tokens", transport, self.layout.num_blocks, self.layout.block_size)
         self.leases: LeaseTable = LeaseTable()
-        self.handshake = self.ctx.socket(zmq.REP)
+        self.handshake: zmq.Socket = self.ctx.socket(zmq.REP)
         self.handshake.setsockopt(zmq.LINGER, 0)
         self.handshake.bind(ipc.handshake_addr(run_dir, worker_id))
         self.poller.register(self.handshake, zmq.POLLIN)
@@ -158,7 +158,10 @@ class PrefillWorker(WorkerBase):
         same_host = ipc.host_of(self.run_dir, "decode", decode_worker) == self.host
         kind = pair_transport(self.transport, same_host, self.kv_pool.device)
         if kind not in self.sources:
-            self.sources[kind] = make_source(kind, self.kv_pool, self.host)
+            try:
+                self.sources[kind] = make_source(kind, self.kv_pool, self.host)
+            except (RuntimeError, ValueError, OSError) as exc:  # NOTE: refused in the reply; the REP must answer
+                raise KVTransferError(f"cannot open the {kind} KV transport: {exc}") from None
             log.info("KV transport %s opened (first for decode worker %d)", kind, decode_worker)
         return self.sources[kind]
 
