@@ -301,12 +301,11 @@ def test_client_cancel_sends_abort_to_both_workers(smollm2_dir: Path, run_dir: P
     async def body() -> None:
         async with router_with_fakes(smollm2_dir, run_dir, Script(list(range(100, 140)), decode_stall_after=3)) as h:
             call = h.stub.Generate(pb.GenerateRequest(text="go", request_id="c"))
-            seen = 0
+            # NOTE: cancel on the first response: the decode worker's tokens may all arrive before the stream
+            # wakes and go out merged with the first one, and the stalled decode worker sends no more.
             async for _ in call:
-                seen += 1
-                if seen == 2:
-                    call.cancel()
-                    break
+                call.cancel()
+                break
             await eventually(lambda: bool(h.prefill.got(AbortCmd, "c") and h.decode.got(AbortCmd, "c")))
             await eventually(lambda: len(h.router.hub.table) == 0)
 
