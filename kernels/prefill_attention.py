@@ -190,6 +190,96 @@ def _attend_new_tiles(
 
 
 @triton.jit
+def _load_q(
+    q_in,  # TMA descriptor of [num_tokens, num_heads * head_dim], or pointer to [num_tokens, num_heads, d]
+    q_rows,  # [BLOCK_M] int64 rows in the flat batch
+    row_mask,  # [BLOCK_M] rows of this sequence
+    first_row,  # q_rows[0]
+    col,  # head * HEAD_DIM
+    stride_qt,
+    HEAD_DIM: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """The query tile [BLOCK_M, HEAD_DIM]; with TMA, rows past the sequence hold the next one's (never stored)."""
+    if TMA:
+        q = q_in.load([first_row, col])
+    else:
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_in + q_rows[:, None] * stride_qt + col + offs_d[None, :], mask=row_mask[:, None], other=0.0)
+    return q
+
+
+@triton.jit
+def _attend_prefix(
+    q,  # [BLOCK_M, HEAD_DIM]
+    k_base,  # k_cache at this KV head
+    v_base,
+    bt_row,  # block table row of this sequence
+    ctx_len,  # the cached prefix's length (0: none)
+    qk_scale,
+    stride_kb,
+    stride_kt,
+    stride_vb,
+    stride_vt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Fresh softmax state (acc, l_i, m_i) after the whole cached prefix: full tiles unmasked, the tail masked."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    full_ctx = ctx_len // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _attend_prefix_tiles(
+        acc, l_i, m_i, q, k_base, v_base, bt_row, 0, full_ctx, qk_scale,
+        stride_kb, stride_kt, stride_vb, stride_vt,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION,
+    )  # fmt: skip
+    return _attend_prefix_tiles(
+        acc, l_i, m_i, q, k_base, v_base, bt_row, full_ctx, ctx_len, qk_scale,
+        stride_kb, stride_kt, stride_vb, stride_vt,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
+def _attend_new(
+    acc,
+    l_i,
+    m_i,
+    q,  # [BLOCK_M, HEAD_DIM]
+    offs_m,  # [BLOCK_M] query rows within the sequence
+    k_new,
+    v_new,
+    row0,  # this sequence's first row in the flat batch
+    col,  # kv_head * HEAD_DIM
+    start_m,  # the query tile's first row
+    q_len,
+    qk_scale,
+    stride_nkt,
+    stride_nvt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The new keys up to the tile's last row: [0, full_end) visible to every row, then the diagonal."""
+    full_end = (start_m + 1) // BLOCK_N * BLOCK_N
+    new_end = tl.minimum(start_m + BLOCK_M, q_len)
+    acc, l_i, m_i = _attend_new_tiles(
+        acc, l_i, m_i, q, offs_m, k_new, v_new, row0, col, 0, full_end, qk_scale, stride_nkt, stride_nvt,
+        HEAD_DIM, BLOCK_N, False, TMA, DOT_PRECISION,
+    )  # fmt: skip
+    return _attend_new_tiles(
+        acc, l_i, m_i, q, offs_m, k_new, v_new, row0, col, full_end, new_end, qk_scale, stride_nkt, stride_nvt,
+        HEAD_DIM, BLOCK_N, True, TMA, DOT_PRECISION,
+    )  # fmt: skip
+
+
+@triton.jit
 def _prefill_kernel(
     q_in,  # TMA: descriptor of [num_tokens, num_heads * head_dim]; else pointer to [num_tokens, num_heads, d]
     k_new,  # the new tokens' K: TMA descriptor or pointer to [num_tokens, num_kv_heads, head_dim]
@@ -234,50 +324,21 @@ def _prefill_kernel(
     seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_blocks * BLOCK_SIZE)
     ctx_len = tl.maximum(seq_len - q_len, 0)  # cached prefix before the first query
     kv_head = head // group
-
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows within the sequence
-    offs_d = tl.arange(0, HEAD_DIM)
     row_mask = offs_m < q_len
     q_rows = (q_start + offs_m).to(tl.int64)
-    if TMA:
-        q = q_in.load([q_start + start_m, head * HEAD_DIM])  # [BLOCK_M, HEAD_DIM]
-    else:
-        q_ptrs = q_in + q_rows[:, None] * stride_qt + head * HEAD_DIM + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=row_mask[:, None], other=0.0)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if ctx_len > 0:
-        bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-        k_base = k_ptr + kv_head * stride_kh
-        v_base = v_ptr + kv_head * stride_vh
-        full_ctx = ctx_len // BLOCK_N * BLOCK_N
-        acc, l_i, m_i = _attend_prefix_tiles(
-            acc, l_i, m_i, q, k_base, v_base, bt_row, 0, full_ctx, qk_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt,
-            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION,
-        )  # fmt: skip
-        acc, l_i, m_i = _attend_prefix_tiles(
-            acc, l_i, m_i, q, k_base, v_base, bt_row, full_ctx, ctx_len, qk_scale,
-            stride_kb, stride_kt, stride_vb, stride_vt,
-            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION,
-        )  # fmt: skip
-    # new keys [0, full_end) are visible to every row; [full_end, new_end) holds the diagonal
-    full_end = (start_m + 1) // BLOCK_N * BLOCK_N
-    new_end = tl.minimum(start_m + BLOCK_M, q_len)
-    col = kv_head * HEAD_DIM
-    acc, l_i, m_i = _attend_new_tiles(
-        acc, l_i, m_i, q, offs_m, k_new, v_new, q_start, col, 0, full_end, qk_scale, stride_nkt, stride_nvt,
-        HEAD_DIM, BLOCK_N, False, TMA, DOT_PRECISION,
+    q = _load_q(q_in, q_rows, row_mask, q_start + start_m, head * HEAD_DIM, stride_qt, HEAD_DIM, TMA)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    acc, l_i, m_i = _attend_prefix(
+        q, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, bt_row, ctx_len, qk_scale,
+        stride_kb, stride_kt, stride_vb, stride_vt, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, DOT_PRECISION,
     )  # fmt: skip
-    acc, l_i, m_i = _attend_new_tiles(
-        acc, l_i, m_i, q, offs_m, k_new, v_new, q_start, col, full_end, new_end, qk_scale, stride_nkt, stride_nvt,
-        HEAD_DIM, BLOCK_N, True, TMA, DOT_PRECISION,
+    acc, l_i, m_i = _attend_new(
+        acc, l_i, m_i, q, offs_m, k_new, v_new, q_start, kv_head * HEAD_DIM, start_m, q_len, qk_scale,
+        stride_nkt, stride_nvt, HEAD_DIM, BLOCK_M, BLOCK_N, TMA, DOT_PRECISION,
     )  # fmt: skip
-
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM)[None, :]
     o = acc / l_i[:, None]  # every stored row saw its own key: l_i >= 1
-    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
