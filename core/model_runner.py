@@ -19,9 +19,9 @@ from core.scheduler import ScheduledChunk, StepPlan
 from kernels.attention import AttentionBackend, AttentionMetadata, TorchAttention
 
 WARMUP_LENGTHS = (1, 7, 16, 31, 64, 200)
+"""Prompt lengths of the warm-up passes: each prefill-attention tile height, divisible by 16 and not."""
 WARMUP_BATCHES = (2, 11)
 """Prompts per warm-up pass of several (the prefill graphs take up to 8)."""
-"""Prompt lengths of the warm-up passes: each prefill-attention tile height, divisible by 16 and not."""
 
 
 def kv_bytes_per_block(cfg: EngineConfig) -> int:
