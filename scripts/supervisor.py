@@ -24,8 +24,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.ipc import TOPOLOGY_FILE, Topology  # noqa: E402 - run as a script: the repo root first
 
 READY_MARK = "pdserve router ready on"
 MAX_BACKOFF_S = 10.0
@@ -115,16 +119,15 @@ def _metrics_flag(args: argparse.Namespace, offset: int) -> list[str]:
     return ["--metrics-port", str(args.metrics_port + offset if args.metrics_port else 0)]
 
 
-def read_topology(path: Path, num_prefill: int, num_decode: int) -> dict[str, object]:
-    """The topology JSON (core/ipc.py Topology), checked against the worker counts; ValueError."""
-    try:
-        topo = json.loads(path.read_text())
-        hosts = (topo["router"], topo["prefill"], topo["decode"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"bad topology {path}: {exc}") from None
-    if not isinstance(hosts[0], str) or [len(hosts[1]), len(hosts[2])] != [num_prefill, num_decode]:
-        raise ValueError(f"topology {path} names {hosts} for {num_prefill} prefill and {num_decode} decode workers")
-    return dict(topo)
+def read_topology(path: Path, num_prefill: int, num_decode: int) -> Topology:
+    """The topology (core/ipc.py Topology.read), checked against the worker counts; ValueError."""
+    topo = Topology.read(path)
+    if (len(topo.prefill), len(topo.decode)) != (num_prefill, num_decode):
+        raise ValueError(
+            f"topology {path} names {len(topo.prefill)} prefill and {len(topo.decode)} decode hosts for "
+            f"{num_prefill} prefill and {num_decode} decode workers"
+        )
+    return topo
 
 
 def gpu_lists(spec: str | None) -> list[str] | None:
@@ -403,7 +406,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             topology = read_topology(Path(args.topology), args.prefill, args.decode)
         except ValueError as exc:
             p.error(str(exc))
-    args.topology_json = topology
+    args.topology_hosts = topology
     if args.colocated:
         args.prefill = 0
     elif args.prefill < 1:
@@ -424,8 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     children = build_children(args, run_dir, extra)
-    if args.topology_json is not None:  # NOTE: every process reads it from its run dir (core/ipc.py)
-        (run_dir / "topology.json").write_text(json.dumps(args.topology_json))
+    if args.topology_hosts is not None:  # NOTE: every process reads it from its run dir (core/ipc.py)
+        (run_dir / TOPOLOGY_FILE).write_text(json.dumps(asdict(args.topology_hosts)))
     if args.roles:
         wanted = {r.strip() for r in args.roles.split(",") if r.strip()}
         unknown = wanted - {c.name for c in children}
