@@ -303,6 +303,7 @@ class DecodeWorker(WorkerBase):
         sink.open(prefill_worker, reply.descriptor)  # NOTE: checks the descriptor's layout against ours
         self.sink_of[prefill_worker] = sink
         self.peers[prefill_worker] = reply.pool_id
+        log.info("KV transport %s with prefill worker %d", sink.transport, prefill_worker)
         if reply.pool_id != pool_id:
             raise StalePoolError(
                 f"the handoff names pool {pool_id!r}; prefill worker {prefill_worker} has {reply.pool_id!r}"
@@ -315,7 +316,6 @@ class DecodeWorker(WorkerBase):
         if kind not in self.sinks:
             assert self.kv_pool is not None
             self.sinks[kind] = make_sink(kind, self.kv_pool, self.layout)
-            log.info("KV transport %s with prefill worker %d", kind, prefill_worker)
         return self.sinks[kind]
 
     def _handshake(self, prefill_worker: int) -> HandshakeEvent:

@@ -19,12 +19,16 @@ dst_ids, and a pinned host buffer they were copied from with non_blocking=True, 
 NOTE (CUDA graphs): the launch reads no device value on the host and allocates nothing, so a graph can capture
 it for a fixed n (the grid depends on n) with id buffers that keep their address; replays copy whatever ids
 those buffers then hold.
+NOTE (two GPUs): the kernel runs on the GPU that holds the ids; either pool may live on another GPU that this
+one can reach (peer access enabled, or a CUDA IPC mapping opened on this GPU, as kvtransfer.cuda_ipc does), so a
+cross-GPU handoff is one launch that reads or writes over NVLink with no staging copy.
 NOTE: nothing is checked on the device: ids must be in range (else it reads or writes out of bounds), dst_ids
 must not repeat (else two programs race for one block), and src and dst blocks must not overlap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -78,12 +82,12 @@ def _check_inputs(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, d
         f"pools differ beyond num_blocks: {tuple(src.shape)} vs {tuple(dst.shape)}"
     )
     assert src.dtype == dst.dtype, f"dtype mismatch: src {src.dtype}, dst {dst.dtype}"
-    assert src.device == dst.device, f"device mismatch: src {src.device}, dst {dst.device}"
+    assert src.device.type == dst.device.type, f"device mismatch: src {src.device}, dst {dst.device}"
     assert src.is_contiguous() and dst.is_contiguous(), "pools must be contiguous"
     for ids in (src_ids, dst_ids):
         assert ids.dim() == 1 and ids.is_contiguous(), "ids must be contiguous [n]"
         assert ids.dtype in (torch.int32, torch.int64), f"ids must be int32 or int64, not {ids.dtype}"
-        assert ids.device == src.device, f"ids on {ids.device}, pools on {src.device}"
+        assert ids.device == src_ids.device, f"ids on {src_ids.device} and {ids.device}"
     assert src_ids.numel() == dst_ids.numel(), f"{src_ids.numel()} source ids, {dst_ids.numel()} destination ids"
 
 
@@ -106,8 +110,8 @@ def tile_words(chunk_words: int, max_tile_words: int) -> int:
 def copy_blocks(
     src: torch.Tensor,  # [num_layers, 2, src_num_blocks, block_size, kv_heads, head_dim], contiguous
     dst: torch.Tensor,  # [num_layers, 2, dst_num_blocks, block_size, kv_heads, head_dim], contiguous, src's dtype
-    src_ids: torch.Tensor,  # [n] int32 | int64 on the pools' device
-    dst_ids: torch.Tensor,  # [n] int32 | int64, no repeats
+    src_ids: torch.Tensor,  # [n] int32 | int64 on the GPU that runs the copy
+    dst_ids: torch.Tensor,  # [n] int32 | int64 on src_ids' device, no repeats
     *,
     tile_bytes: int = DEFAULT_TILE_BYTES,
     num_warps: int = DEFAULT_NUM_WARPS,
@@ -126,15 +130,23 @@ def copy_blocks(
     tiles_per_chunk = triton.cdiv(chunk_words, tile)
     num_programs = num_layers * 2 * n * tiles_per_chunk
     assert num_programs < 2**31, f"{num_programs} programs exceed the grid; copy in parts"
-    _copy_blocks[(num_programs,)](
-        src.view(-1).view(word), dst.view(-1).view(word), src_ids, dst_ids,
-        n, src_num_blocks, dst.shape[2],
-        CHUNK=chunk_words,
-        TILE=tile,
-        TILES_PER_CHUNK=tiles_per_chunk,
-        EVEN=chunk_words % tile == 0,
-        num_warps=max(1, min(num_warps, tile * word.itemsize // 512)),  # >= 16 bytes per thread
-    )  # fmt: skip
+    with _on_device(src_ids.device):
+        _copy_blocks[(num_programs,)](
+            src.view(-1).view(word), dst.view(-1).view(word), src_ids, dst_ids,
+            n, src_num_blocks, dst.shape[2],
+            CHUNK=chunk_words,
+            TILE=tile,
+            TILES_PER_CHUNK=tiles_per_chunk,
+            EVEN=chunk_words % tile == 0,
+            num_warps=max(1, min(num_warps, tile * word.itemsize // 512)),  # >= 16 bytes per thread
+        )  # fmt: skip
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Makes `device` current for the launch (switching only when it is not: the switch costs host time)."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def copy_blocks_ref(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:

@@ -7,8 +7,11 @@ released when the sink drops its mapping), the sink rebuilds the storage with
 
 NOTE: the GPU is named by UUID in the descriptor, so the two processes may number devices differently
 (CUDA_VISIBLE_DEVICES); the source's GPU must be visible to the sink. Mapping a handle creates a CUDA
-context on the source's GPU in the sink process. When the GPUs differ, the gathered blocks cross with a
-peer copy (staged through the host by CUDA where peer access is not supported).
+context on the source's GPU in the sink process. When the GPUs differ and the sink's GPU can reach the
+source's (peer access: NVLink or PCIe P2P), the handle is mapped on the sink's GPU (CUDA enables peer access
+lazily) and the block-copy kernel runs there, reading the source pool directly: one launch, as on one GPU.
+Without peer access the blocks are gathered on the source's GPU, cross with one copy (staged through the host by
+CUDA) and are scattered on the sink's.
 NOTE: pulls are asynchronous: the copy runs on the sink's stream and the caller's current stream waits on
 its event on the GPU; the host only ever queries that event (PullHandle.done), see kvtransfer.base.
 """
@@ -62,9 +65,13 @@ class CudaIpcSink(KVTransferSink):
             raise KVTransferError(f"the cuda_ipc transport copies into a CUDA pool, not {local_pool.device}")
         super().__init__(local_pool, layout)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._reads: dict[torch.device, bool] = {local_pool.device: True}  # may kernels on our GPU read there
 
     def _attach(self, descriptor: dict[str, Any], remote_layout: KVLayout) -> torch.Tensor:
         device = _local_index(descriptor)
+        local = self.local_pool.device
+        if device != local.index and torch.cuda.can_device_access_peer(local, device):
+            device = local.index  # NOTE: mapped into our GPU's context: kernels here read it over the link
         storage = _open_storage(descriptor, device)
         if storage.nbytes() < remote_layout.nbytes:
             raise KVTransferError(f"exported storage has {storage.nbytes()} bytes, the pool {remote_layout.nbytes}")
@@ -73,15 +80,16 @@ class CudaIpcSink(KVTransferSink):
 
     def _copy(self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
         local = self.local_pool.tensor
-        local_stream, remote_stream = self._stream(local.device), self._stream(remote.device)
+        local_stream = self._stream(local.device)
         compute_stream = torch.cuda.current_stream(local.device)
         # Earlier work on the local pool (e.g. a copy-on-write) lands before ours.
         local_stream.wait_stream(compute_stream)
-        with torch.cuda.stream(local_stream), torch.cuda.stream(remote_stream):
-            if remote.device == local.device:
+        with torch.cuda.stream(local_stream):
+            if self._kernel_reads(remote.device):
                 keep_alive = self._gather_copy(remote, src_block_ids, dst_block_ids)
             else:
-                keep_alive = self._peer_copy(remote, src_block_ids, dst_block_ids)
+                with torch.cuda.stream(self._stream(remote.device)):
+                    keep_alive = self._staged_copy(remote, src_block_ids, dst_block_ids)
             done = torch.cuda.Event()
             done.record(local_stream)
         compute_stream.wait_event(done)  # NOTE: a GPU-side wait: later work on the pool sees the blocks
@@ -90,8 +98,8 @@ class CudaIpcSink(KVTransferSink):
     def _gather_copy(
         self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]
     ) -> tuple[torch.Tensor, ...]:
-        """One copy_blocks launch (every block of every layer, K and V) on the current (sink) stream; returns
-        the id buffers it reads."""
+        """One copy_blocks launch (every block of every layer, K and V) on the sink's GPU and stream, reading
+        the remote pool in place (on this GPU or a peer's); returns the id buffers it reads."""
         from kernels.block_copy import copy_blocks  # NOTE: imported here: only CUDA sinks need triton
 
         local = self.local_pool.tensor
@@ -101,22 +109,41 @@ class CudaIpcSink(KVTransferSink):
         copy_blocks(remote, local, ids_gpu[0], ids_gpu[1])
         return ids_cpu, ids_gpu
 
-    def _peer_copy(
+    def _staged_copy(
         self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]
     ) -> tuple[torch.Tensor, ...]:
-        """Gather on the remote GPU, cross with a peer copy, scatter on ours (current streams: the sink's)."""
+        """Without peer access: gather on the remote GPU, cross with one copy, scatter on ours (current streams:
+        the sink's)."""
         local = self.local_pool.tensor
         src = torch.tensor(src_block_ids, dtype=torch.long, device=remote.device)
         dst = torch.tensor(dst_block_ids, dtype=torch.long, device=local.device)
         blocks = remote.index_select(2, src)  # [num_layers, 2, len(src), block_size, kv_heads, head_dim]
-        blocks_local = blocks.to(local.device, non_blocking=True)  # peer copy when the GPUs differ
+        blocks_local = blocks.to(local.device, non_blocking=True)  # staged through the host by CUDA
         local.index_copy_(2, dst, blocks_local)
         return src, dst, blocks, blocks_local
+
+    def _kernel_reads(self, device: torch.device) -> bool:
+        """Whether kernels on our GPU can read a pool on `device` (ours, or a peer once peer access is on)."""
+        if device not in self._reads:
+            self._reads[device] = enable_peer_access(self.local_pool.device, device)
+        return self._reads[device]
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
+
+
+def enable_peer_access(local: torch.device, remote: torch.device) -> bool:
+    """Whether kernels on `local` can read `remote`'s memory; enables it if so (torch turns peer access on for
+    both GPUs of a copy between them: one tiny copy each way)."""
+    if not torch.cuda.can_device_access_peer(local, remote):
+        return False
+    here, there = torch.zeros(1, device=local), torch.zeros(1, device=remote)
+    there.copy_(here)
+    here.copy_(there)
+    torch.cuda.synchronize(local)
+    return True
 
 
 def _device_uuid(index: int) -> str:

@@ -252,6 +252,34 @@ def test_cuda_ipc_sink_copies_through_the_kernel_on_one_gpu(dtype: str, monkeypa
     """CudaIpcSink._copy with the remote pool on the local pool's GPU: one copy_blocks launch, exact blocks,
     ordered before the current stream (the check runs on it without synchronizing the sink's stream), then the
     handle is done."""
+    check_sink_kernel_copy(dtype, "cuda:0", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_ipc_sink_reads_a_peer_gpu_through_the_kernel(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The remote pool on another GPU with peer access: still one launch, on the sink's GPU, exact blocks."""
+    check_sink_kernel_copy(dtype, "cuda:1", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_kernel_reads_a_pool_on_a_peer_gpu() -> None:
+    from kvtransfer.cuda_ipc import enable_peer_access
+
+    assert enable_peer_access(torch.device("cuda:0"), torch.device("cuda:1")), "the two GPUs have no peer access"
+    gen = torch.Generator().manual_seed(5)
+    src = random_pool((3, 2, 200, *LLAMA_8B_BLOCK), torch.bfloat16, 5, "cuda:1")
+    dst = random_pool((3, 2, 150, *LLAMA_8B_BLOCK), torch.bfloat16, 6, "cuda:0")
+    src_ids, dst_ids = scattered_ids(61, 200, 150, gen)
+    expected = dst.clone()
+    expected[:, :, dst_ids.cuda(0)] = src[:, :, src_ids.cuda(1)].to("cuda:0")
+    copy_blocks(src, dst, src_ids.cuda(0), dst_ids.cuda(0))
+    assert same_bytes(dst, expected)
+
+
+def check_sink_kernel_copy(dtype: str, remote_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvtransfer.cuda_ipc import CudaIpcSink
 
     launches = []
@@ -262,14 +290,14 @@ def test_cuda_ipc_sink_copies_through_the_kernel_on_one_gpu(dtype: str, monkeypa
 
     monkeypatch.setattr(block_copy, "copy_blocks", counting_copy_blocks)
     layout = replace(LAYOUT, dtype=dtype)
-    remote = random_pool(layout.shape, layout.torch_dtype, 7, "cuda")
+    remote = random_pool(layout.shape, layout.torch_dtype, 7, remote_device)
     local = allocate_kv_pool(replace(layout, num_blocks=40), "cuda:0", shared=False)
     before = local.tensor.clone()
     sink = CudaIpcSink(local, local.layout)
     src, dst = [95, 3, 17, 8, 0, 22, 41], [1, 39, 5, 6, 12, 2, 30]
     handle = sink._copy(remote, src, dst)
     assert launches == [len(src)]
-    copy_blocks_ref(remote, before, torch.tensor(src).cuda(), torch.tensor(dst).cuda())
+    copy_blocks_ref(remote.to(local.device), before, torch.tensor(src).cuda(), torch.tensor(dst).cuda())
     assert same_bytes(local.tensor, before)
     assert handle.done()  # the comparison waited (on the GPU) for the copy's event
 
