@@ -10,7 +10,8 @@ kv_cache[:, block_tables[i, p // block_size], p % block_size]. Block tables are 
 One program runs per (query head, tile of BLOCK_M query rows, sequence); query head h reads KV head
 h // (num_heads // num_kv_heads). It walks the keys in tiles of BLOCK_N tokens with an online softmax in fp32
 in the log2 domain: first the cached prefix (gathered through the block table, visible to every row), then
-the new tokens, read as contiguous rows (through TMA descriptors on Hopper-class GPUs for 16-bit types):
+the new tokens, read as contiguous rows (through TMA descriptors on Hopper-class GPUs for 16-bit types,
+made on the device by each program, so a launch pays no host-side descriptor encoding):
 tiles before the query tile's first row run unmasked, the few on the diagonal with the causal mask, and keys
 beyond are skipped. Reading new keys from k_new/v_new rather than the cache drops the per-key block-table
 gather from the long-prompt case, where nearly every key is new. The heads are the fastest grid axis, so the
@@ -18,14 +19,16 @@ G query heads of one KV head run side by side and share K/V through L2; query ti
 so the longest (most keys) programs start first.
 
 NOTE: the launch reads no device value on the host (max_query_len is a host int that sizes the grid;
-query lengths and seq_lens are read inside the kernel) and, given `out`, allocates nothing (TMA descriptors
-are built on the host and passed by value), so a CUDA graph can capture it. A graph replays the grid of its
-captured max_query_len: rows past it would stay unwritten.
+query lengths and seq_lens are read inside the kernel) and, given `out`, allocates only the TMA descriptors'
+scratch (from torch's caching allocator through triton.set_allocator; a capture keeps it in the graph's pool),
+so a CUDA graph can capture it. A graph replays the grid of its captured max_query_len: rows past it would stay
+unwritten.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -280,10 +283,38 @@ def _attend_new(
 
 
 @triton.jit
+def _new_token_inputs(
+    q_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    num_tokens,
+    num_heads,
+    num_kv_heads,
+    stride_qt,
+    stride_nkt,
+    stride_nvt,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    """The new tokens' q, K and V as the loads take them: with TMA, descriptors of [num_tokens, heads * head_dim]
+    (one head per box) made on the device, so a launch pays no host-side encoding; else the pointers."""
+    if TMA:
+        q_in = tl.make_tensor_descriptor(q_ptr, [num_tokens, num_heads * HEAD_DIM], [stride_qt, 1], [BLOCK_M, HEAD_DIM])
+        kv_shape = [num_tokens, num_kv_heads * HEAD_DIM]
+        k_in = tl.make_tensor_descriptor(k_new_ptr, kv_shape, [stride_nkt, 1], [BLOCK_N, HEAD_DIM])
+        v_in = tl.make_tensor_descriptor(v_new_ptr, kv_shape, [stride_nvt, 1], [BLOCK_N, HEAD_DIM])
+    else:
+        q_in, k_in, v_in = q_ptr, k_new_ptr, v_new_ptr
+    return q_in, k_in, v_in
+
+
+@triton.jit
 def _prefill_kernel(
-    q_in,  # TMA: descriptor of [num_tokens, num_heads * head_dim]; else pointer to [num_tokens, num_heads, d]
-    k_new,  # the new tokens' K: TMA descriptor or pointer to [num_tokens, num_kv_heads, head_dim]
-    v_new,
+    q_ptr,  # [num_tokens, num_heads, head_dim], rows strided
+    k_new_ptr,  # [num_tokens, num_kv_heads, head_dim]: the new tokens' K, rows strided
+    v_new_ptr,
     k_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]: the cache, for cached prefixes
     v_ptr,
     block_tables_ptr,  # [batch, max_blocks] int32
@@ -293,6 +324,8 @@ def _prefill_kernel(
     qk_scale,  # softmax scale * log2(e)
     group,  # num_heads // num_kv_heads
     max_blocks,
+    num_tokens,
+    num_heads,
     stride_qt,
     stride_nkt,
     stride_nvt,
@@ -327,6 +360,10 @@ def _prefill_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows within the sequence
     row_mask = offs_m < q_len
     q_rows = (q_start + offs_m).to(tl.int64)
+    q_in, k_new, v_new = _new_token_inputs(
+        q_ptr, k_new_ptr, v_new_ptr, num_tokens, num_heads, num_heads // group, stride_qt, stride_nkt, stride_nvt,
+        HEAD_DIM, BLOCK_M, BLOCK_N, TMA,
+    )  # fmt: skip
     q = _load_q(q_in, q_rows, row_mask, q_start + start_m, head * HEAD_DIM, stride_qt, HEAD_DIM, TMA)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     acc, l_i, m_i = _attend_prefix(
@@ -387,11 +424,15 @@ def tma_supported(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
 
 
-def _flat_descriptor(t: torch.Tensor, block_rows: int) -> Any:
-    """A TMA descriptor of [num_tokens, heads, head_dim] seen as [num_tokens, heads * head_dim], one head per box."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
+@functools.cache
+def _set_triton_allocator() -> None:
+    """Device-made TMA descriptors live in per-launch scratch that Triton asks this allocator for (from torch's
+    caching allocator, on the current stream: graph captures keep theirs in the graph's pool)."""
 
-    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_rows, t.shape[2]])
+    def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    triton.set_allocator(alloc)
 
 
 def launch_prefill_kernel(
@@ -414,13 +455,11 @@ def launch_prefill_kernel(
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_heads, triton.cdiv(max_query_len, cfg.block_m), batch)
-    q_in, k_in, v_in = q, k_new, v_new
     if tma:
-        q_in = _flat_descriptor(q, cfg.block_m)
-        k_in, v_in = _flat_descriptor(k_new, cfg.block_n), _flat_descriptor(v_new, cfg.block_n)
+        _set_triton_allocator()
     _prefill_kernel[grid](
-        q_in, k_in, v_in, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * LOG2E, num_heads // num_kv_heads, block_tables.shape[1],
+        q, k_new, v_new, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
+        scale * LOG2E, num_heads // num_kv_heads, block_tables.shape[1], q.shape[0], num_heads,
         q.stride(0), k_new.stride(0), v_new.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
