@@ -76,7 +76,7 @@ def _copy_blocks(
         tl.store(dst_ptr + dst_start + offs, words, mask=mask)
 
 
-def _check_inputs(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+def _check_pools(src: torch.Tensor, dst: torch.Tensor) -> None:
     assert src.dim() == 6 and dst.dim() == 6, "pools must be [num_layers, 2, num_blocks, block_size, kv_heads, d]"
     assert src.shape[:2] == dst.shape[:2] and src.shape[3:] == dst.shape[3:], (
         f"pools differ beyond num_blocks: {tuple(src.shape)} vs {tuple(dst.shape)}"
@@ -84,6 +84,9 @@ def _check_inputs(src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, d
     assert src.dtype == dst.dtype, f"dtype mismatch: src {src.dtype}, dst {dst.dtype}"
     assert src.device.type == dst.device.type, f"device mismatch: src {src.device}, dst {dst.device}"
     assert src.is_contiguous() and dst.is_contiguous(), "pools must be contiguous"
+
+
+def _check_ids(src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
     for ids in (src_ids, dst_ids):
         assert ids.dim() == 1 and ids.is_contiguous(), "ids must be contiguous [n]"
         assert ids.dtype in (torch.int32, torch.int64), f"ids must be int32 or int64, not {ids.dtype}"
@@ -107,6 +110,53 @@ def tile_words(chunk_words: int, max_tile_words: int) -> int:
     return dividing if 2 * dividing >= largest else largest
 
 
+class BlockCopy:
+    """copy_blocks for one pair of pools, checked and planned once (word type, tiles, flat word views): a call
+    checks the ids and launches. Keeps views of both pools alive (drop it with the pools)."""
+
+    def __init__(
+        self,
+        src: torch.Tensor,  # [num_layers, 2, src_num_blocks, block_size, kv_heads, head_dim], contiguous
+        dst: torch.Tensor,  # [num_layers, 2, dst_num_blocks, block_size, kv_heads, head_dim], contiguous
+        *,
+        tile_bytes: int = DEFAULT_TILE_BYTES,
+        num_warps: int = DEFAULT_NUM_WARPS,
+    ) -> None:
+        _check_pools(src, dst)
+        assert tile_bytes >= 1 and tile_bytes & (tile_bytes - 1) == 0, f"tile_bytes not a power of two: {tile_bytes}"
+        self.num_planes = src.shape[0] * 2  # layers x (K, V)
+        self.src_num_blocks, self.dst_num_blocks = src.shape[2], dst.shape[2]
+        chunk_bytes = math.prod(src.shape[3:]) * src.element_size()
+        word = word_dtype(chunk_bytes, src, dst)
+        self.chunk_words = chunk_bytes // word.itemsize
+        self.tile = tile_words(self.chunk_words, max(1, tile_bytes // word.itemsize))
+        self.tiles_per_chunk = triton.cdiv(self.chunk_words, self.tile)
+        self.num_warps = max(1, min(num_warps, self.tile * word.itemsize // 512))  # >= 16 bytes per thread
+        self.src_words, self.dst_words = src.view(-1).view(word), dst.view(-1).view(word)
+
+    def __call__(
+        self,
+        src_ids: torch.Tensor,  # [n] int32 | int64 on the GPU that runs the copy
+        dst_ids: torch.Tensor,  # [n] int32 | int64 on src_ids' device, no repeats
+    ) -> None:
+        """dst[:, :, dst_ids] = src[:, :, src_ids] in one launch, bit-exact, on the current stream (see NOTEs)."""
+        _check_ids(src_ids, dst_ids)
+        n = src_ids.numel()
+        if n == 0:
+            return
+        num_programs = self.num_planes * n * self.tiles_per_chunk
+        assert num_programs < 2**31, f"{num_programs} programs exceed the grid; copy in parts"
+        with _on_device(src_ids.device):
+            _copy_blocks[(num_programs,)](
+                self.src_words, self.dst_words, src_ids, dst_ids, n, self.src_num_blocks, self.dst_num_blocks,
+                CHUNK=self.chunk_words,
+                TILE=self.tile,
+                TILES_PER_CHUNK=self.tiles_per_chunk,
+                EVEN=self.chunk_words % self.tile == 0,
+                num_warps=self.num_warps,
+            )  # fmt: skip
+
+
 def copy_blocks(
     src: torch.Tensor,  # [num_layers, 2, src_num_blocks, block_size, kv_heads, head_dim], contiguous
     dst: torch.Tensor,  # [num_layers, 2, dst_num_blocks, block_size, kv_heads, head_dim], contiguous, src's dtype
@@ -116,30 +166,9 @@ def copy_blocks(
     tile_bytes: int = DEFAULT_TILE_BYTES,
     num_warps: int = DEFAULT_NUM_WARPS,
 ) -> None:
-    """dst[:, :, dst_ids] = src[:, :, src_ids] in one launch, bit-exact, on the current stream (see NOTEs)."""
-    _check_inputs(src, dst, src_ids, dst_ids)
-    assert tile_bytes >= 1 and tile_bytes & (tile_bytes - 1) == 0, f"tile_bytes must be a power of two: {tile_bytes}"
-    n = src_ids.numel()
-    if n == 0:
-        return
-    num_layers, _, src_num_blocks = src.shape[:3]
-    chunk_bytes = math.prod(src.shape[3:]) * src.element_size()
-    word = word_dtype(chunk_bytes, src, dst)
-    chunk_words = chunk_bytes // word.itemsize
-    tile = tile_words(chunk_words, max(1, tile_bytes // word.itemsize))
-    tiles_per_chunk = triton.cdiv(chunk_words, tile)
-    num_programs = num_layers * 2 * n * tiles_per_chunk
-    assert num_programs < 2**31, f"{num_programs} programs exceed the grid; copy in parts"
-    with _on_device(src_ids.device):
-        _copy_blocks[(num_programs,)](
-            src.view(-1).view(word), dst.view(-1).view(word), src_ids, dst_ids,
-            n, src_num_blocks, dst.shape[2],
-            CHUNK=chunk_words,
-            TILE=tile,
-            TILES_PER_CHUNK=tiles_per_chunk,
-            EVEN=chunk_words % tile == 0,
-            num_warps=max(1, min(num_warps, tile * word.itemsize // 512)),  # >= 16 bytes per thread
-        )  # fmt: skip
+    """dst[:, :, dst_ids] = src[:, :, src_ids] in one launch, bit-exact, on the current stream (see NOTEs); a
+    caller copying between the same pools again and again keeps a BlockCopy instead."""
+    BlockCopy(src, dst, tile_bytes=tile_bytes, num_warps=num_warps)(src_ids, dst_ids)
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:

@@ -18,13 +18,16 @@ its event on the GPU; the host only ever queries that event (PullHandle.done), s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, PullHandle, descriptor_field
 from kvtransfer.layout import KVLayout
 from kvtransfer.pool import KVPool
+
+if TYPE_CHECKING:
+    from kernels.block_copy import BlockCopy
 
 
 class CudaIpcSource(KVTransferSource):
@@ -66,6 +69,7 @@ class CudaIpcSink(KVTransferSink):
         super().__init__(local_pool, layout)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._reads: dict[torch.device, bool] = {local_pool.device: True}  # may kernels on our GPU read there
+        self._plans: dict[int, BlockCopy] = {}  # a remote pool's data_ptr -> its planned copy into ours
 
     def _attach(self, descriptor: dict[str, Any], remote_layout: KVLayout) -> torch.Tensor:
         device = _local_index(descriptor)
@@ -98,16 +102,23 @@ class CudaIpcSink(KVTransferSink):
     def _gather_copy(
         self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]
     ) -> tuple[torch.Tensor, ...]:
-        """One copy_blocks launch (every block of every layer, K and V) on the sink's GPU and stream, reading
+        """One block-copy launch (every block of every layer, K and V) on the sink's GPU and stream, reading
         the remote pool in place (on this GPU or a peer's); returns the id buffers it reads."""
-        from kernels.block_copy import copy_blocks  # NOTE: imported here: only CUDA sinks need triton
+        from kernels.block_copy import BlockCopy  # NOTE: imported here: only CUDA sinks need triton
 
         local = self.local_pool.tensor
+        plan = self._plans.get(remote.data_ptr())
+        if plan is None:  # NOTE: planned once per mapping (checks, word views): the launch is most of a pull
+            plan = self._plans[remote.data_ptr()] = BlockCopy(remote, local)
         # [2, n] source and destination ids, uploaded from pinned memory on the sink stream
         ids_cpu = torch.tensor([src_block_ids, dst_block_ids], dtype=torch.long, pin_memory=True)
         ids_gpu = ids_cpu.to(local.device, non_blocking=True)
-        copy_blocks(remote, local, ids_gpu[0], ids_gpu[1])
+        plan(ids_gpu[0], ids_gpu[1])
         return ids_cpu, ids_gpu
+
+    def _detach(self, handle: torch.Tensor) -> None:
+        """The plan holds views of the mapped pool: dropping it lets the mapping go."""
+        self._plans.pop(handle.data_ptr(), None)
 
     def _staged_copy(
         self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]

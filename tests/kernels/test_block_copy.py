@@ -283,12 +283,13 @@ def check_sink_kernel_copy(dtype: str, remote_device: str, monkeypatch: pytest.M
     from kvtransfer.cuda_ipc import CudaIpcSink
 
     launches = []
+    launch = block_copy.BlockCopy.__call__
 
-    def counting_copy_blocks(*args: torch.Tensor) -> None:
-        launches.append(args[2].numel())
-        copy_blocks(*args)
+    def counting_launch(plan: block_copy.BlockCopy, src_ids: torch.Tensor, dst_ids: torch.Tensor) -> None:
+        launches.append(src_ids.numel())
+        launch(plan, src_ids, dst_ids)
 
-    monkeypatch.setattr(block_copy, "copy_blocks", counting_copy_blocks)
+    monkeypatch.setattr(block_copy.BlockCopy, "__call__", counting_launch)
     layout = replace(LAYOUT, dtype=dtype)
     remote = random_pool(layout.shape, layout.torch_dtype, 7, remote_device)
     local = allocate_kv_pool(replace(layout, num_blocks=40), "cuda:0", shared=False)
@@ -300,6 +301,10 @@ def check_sink_kernel_copy(dtype: str, remote_device: str, monkeypatch: pytest.M
     copy_blocks_ref(remote.to(local.device), before, torch.tensor(src).cuda(), torch.tensor(dst).cuda())
     assert same_bytes(local.tensor, before)
     assert handle.done()  # the comparison waited (on the GPU) for the copy's event
+    local.tensor.zero_()
+    sink._copy(remote, src[:3], dst[:3]).wait()  # the same pools again: the plan made by the first pull
+    assert launches == [len(src), 3] and len(sink._plans) == 1
+    assert same_bytes(local.tensor[:, :, dst[:3]], remote[:, :, src[:3]].to(local.device))
 
 
 @pytest.mark.gpu
