@@ -160,12 +160,20 @@ class BlockPool:
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """ref_cnt += 1 for each block; a free block (a cache hit) leaves the free queue."""
+        if block_ids and not (min(block_ids) > NULL_BLOCK_ID and max(block_ids) < self.num_blocks):
+            for block_id in block_ids:
+                self._check_id(block_id)
+        # NOTE: the hot path of every cache hit: the queue's unlink inlined, locals for the lists
+        ref_cnts, prev, nxt = self._ref_cnts, self._prev, self._next
+        unlinked = 0
         for block_id in block_ids:
-            self._check_id(block_id)
-        for block_id in block_ids:
-            if self._ref_cnts[block_id] == 0:
-                self._unlink(block_id)
-            self._ref_cnts[block_id] += 1
+            if ref_cnts[block_id] == 0:
+                prev_id, next_id = prev[block_id], nxt[block_id]
+                nxt[prev_id] = next_id
+                prev[next_id] = prev_id
+                unlinked += 1
+            ref_cnts[block_id] += 1
+        self._num_free -= unlinked
 
     def free(self, block_ids: Sequence[int]) -> None:
         """ref_cnt -= 1 for each block in order; one reaching 0 goes to the tail of the free queue.
@@ -173,13 +181,23 @@ class BlockPool:
         Pass a request's blocks in reverse so its tail is evicted first. Raises ValueError, changing
         nothing, on the null block, an unknown id or a block already at ref_cnt 0 (double free).
         """
+        ref_cnts, prev, nxt, sentinel = self._ref_cnts, self._prev, self._next, self._sentinel
+        num_blocks = self.num_blocks
+        freed = 0
         for i, block_id in enumerate(block_ids):
-            if not (0 < block_id < self.num_blocks and self._ref_cnts[block_id] > 0):
+            if not (0 < block_id < num_blocks and ref_cnts[block_id] > 0):
+                self._num_free += freed
                 self.touch(block_ids[:i])  # NOTE: exact undo of the frees done so far
                 raise ValueError(f"cannot free block {block_id}: null, unknown or not allocated")
-            self._ref_cnts[block_id] -= 1
-            if self._ref_cnts[block_id] == 0:
-                self._append_tail(block_id)
+            ref_cnts[block_id] -= 1
+            if ref_cnts[block_id] == 0:  # to the tail of the free queue
+                last = prev[sentinel]
+                nxt[last] = block_id
+                prev[block_id] = last
+                nxt[block_id] = sentinel
+                prev[sentinel] = block_id
+                freed += 1
+        self._num_free += freed
 
     def cache_block(self, block_id: int, block_hash: int) -> bool:
         """Register a held block under block_hash; True if it is (now) the block cached for it.
@@ -220,6 +238,11 @@ class BlockPool:
         """Current reference count (0 for the null block)."""
         self._check_id(block_id, allow_null=True)
         return self._ref_cnts[block_id]
+
+    def num_unheld(self, block_ids: Sequence[int]) -> int:
+        """How many of block_ids are at ref_cnt 0 (ids must be valid: taken from this pool)."""
+        ref_cnts = self._ref_cnts
+        return sum(1 for b in block_ids if ref_cnts[b] == 0)
 
     def block_hash(self, block_id: int) -> int | None:
         """The hash a block is cached under, or None."""
@@ -266,17 +289,3 @@ class BlockPool:
         if len(self._events) == self._events.maxlen:
             self.num_dropped_events += 1  # NOTE: the deque drops its oldest event on this append
         self._events.append(event)
-
-    def _unlink(self, block_id: int) -> None:
-        prev_id, next_id = self._prev[block_id], self._next[block_id]
-        self._next[prev_id] = next_id
-        self._prev[next_id] = prev_id
-        self._num_free -= 1
-
-    def _append_tail(self, block_id: int) -> None:
-        last = self._prev[self._sentinel]
-        self._next[last] = block_id
-        self._prev[block_id] = last
-        self._next[block_id] = self._sentinel
-        self._prev[self._sentinel] = block_id
-        self._num_free += 1

@@ -115,7 +115,7 @@ class KVCacheManager:
 
         NOTE: a free cached block in matched leaves the free queue when touched, so it is not free for num_new.
         """
-        num_reusable = sum(1 for b in matched if self.pool.ref_cnt(b) == 0)
+        num_reusable = self.pool.num_unheld(matched)
         return num_new <= self.pool.num_free_blocks - num_reusable
 
     def _match(self, req: Request) -> tuple[list[int], CachedLogits | None]:
