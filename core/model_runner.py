@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -204,7 +205,10 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             tables[i, : len(c.req.block_ids)] = c.req.block_ids
         pos = np.concatenate([np.arange(s, e) for s, e in zip(starts, seq_lens, strict=True)])  # [num_tokens]
-        ids = np.concatenate([c.req.token_ids[s:e] for c, s, e in zip(chunks, starts, seq_lens, strict=True)])
+        # NOTE: one fromiter over the chained slices: faster than concatenate converting each list (4000 ids: 1.5x;
+        # 128 one-token chunks: 3x)
+        slices = (c.req.token_ids[s:e] for c, s, e in zip(chunks, starts, seq_lens, strict=True))
+        ids = np.fromiter(itertools.chain.from_iterable(slices), np.int64, int(q_start[-1]))
         seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)
         slots = tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
         logits_idx = q_start[1:][[c.samples for c in chunks]] - 1
