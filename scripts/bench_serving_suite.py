@@ -47,6 +47,10 @@ INTERFERENCE += ["--long-input-len", "4000", "--long-output-len", "16", "--clien
 RANDOM = ["--dataset", "random", "--num-prompts", "100", "--input-len", "512:2048", "--output-len", "128:512"]
 RANDOM += ["--request-rate", "4", *GOODPUT]
 WARMUP = ["--dataset", "random", "--num-prompts", "48", "--input-len", "8:4000", "--output-len", "4:8"]
+WITH_LONG = [*INTERFERENCE, "--long-rate", "2", "--duration", "15"]
+"""The interference load: short streams plus 4000-token prompts at 2/s."""
+DECODE_ONLY = [*INTERFERENCE, "--long-rate", "0", "--duration", "10"]
+"""The same short streams alone."""
 SHARED_RATES = (1, 5, 10, 20)
 EXACT_PREFIX = "1000"
 
@@ -162,8 +166,8 @@ def part_exact(model: Path, out: Path) -> None:
 
 def part_disagg(model: Path, out: Path) -> None:
     runs = [
-        ("interference-disagg", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"]),
-        ("interference-decode-only", [*INTERFERENCE, "--long-rate", "0", "--duration", "10"]),
+        ("interference-disagg", WITH_LONG),
+        ("interference-decode-only", DECODE_ONLY),
         *shared_prefix_runs("cache"),
         ("exact-hit", EXACT),
         ("random-disagg", RANDOM),
@@ -204,11 +208,11 @@ def part_conditional(model: Path, out: Path) -> None:
 def part_interference(model: Path, out: Path) -> None:
     """The three interference runs alone (disaggregated, decode-only, colocated)."""
     runs = [
-        ("interference-disagg", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"]),
-        ("interference-decode-only", [*INTERFERENCE, "--long-rate", "0", "--duration", "10"]),
+        ("interference-disagg", WITH_LONG),
+        ("interference-decode-only", DECODE_ONLY),
     ]
     with_cluster(model, out, "disagg", WORKER_FLAGS, runs)
-    runs = [("interference-colocated", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"])]
+    runs = [("interference-colocated", WITH_LONG)]
     with_cluster(model, out, "colocated", [*WORKER_FLAGS, *COLOCATED_FLAGS], runs)
 
 
@@ -216,12 +220,12 @@ def part_two_gpus(model: Path, out: Path) -> None:
     """Issue 9: the interference runs with prefill on GPU 0 and decode on GPU 1 (no MPS: no GPU is shared), and
     colocated on the same two GPUs (one worker per GPU, each prefilling its own requests)."""
     runs = [
-        ("interference-2gpu-disagg", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"]),
-        ("interference-2gpu-decode-only", [*INTERFERENCE, "--long-rate", "0", "--duration", "10"]),
+        ("interference-2gpu-disagg", WITH_LONG),
+        ("interference-2gpu-decode-only", DECODE_ONLY),
     ]
     with_cluster(model, out, "2gpu-disagg", [*WORKER_FLAGS, "--prefill-gpus", "0", "--decode-gpus", "1"], runs)
     colocated = [*WORKER_FLAGS, *COLOCATED_FLAGS, "--decode", "2", "--decode-gpus", "0,1"]
-    runs = [("interference-2gpu-colocated", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"])]
+    runs = [("interference-2gpu-colocated", WITH_LONG)]
     with_cluster(model, out, "2gpu-colocated", colocated, runs)
 
 
@@ -235,7 +239,7 @@ def part_throughput(model: Path, out: Path) -> None:
 
 def part_colocated(model: Path, out: Path) -> None:
     runs = [
-        ("interference-colocated", [*INTERFERENCE, "--long-rate", "2", "--duration", "15"]),
+        ("interference-colocated", WITH_LONG),
         ("random-colocated", RANDOM),
     ]
     with_cluster(model, out, "colocated", [*WORKER_FLAGS, *COLOCATED_FLAGS], runs)
