@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 NULL_BLOCK_ID = 0
@@ -51,8 +52,10 @@ class BlockRemoved:
 BlockEvent = BlockStored | BlockRemoved
 
 
-def _token_bytes(token_ids: Sequence[int]) -> bytes:
+def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     """Token ids as little-endian int64 bytes."""
+    if isinstance(token_ids, np.ndarray):
+        return token_ids.astype("<i8", copy=False).tobytes()
     packed = array("q", token_ids)
     if _SWAP_BYTES:
         packed.byteswap()
@@ -74,7 +77,9 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return _hash_bytes(parent_hash, _token_bytes(token_ids))
 
 
-def hash_full_blocks(token_ids: Sequence[int], block_size: int, parent_hash: int | None = None) -> list[int]:
+def hash_full_blocks(
+    token_ids: Sequence[int] | np.ndarray, block_size: int, parent_hash: int | None = None
+) -> list[int]:
     """Hashes of the len(token_ids) // block_size full blocks, each chained on the previous one."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from core.block_pool import BlockPool
@@ -122,7 +123,7 @@ class Engine:
         num_generated > 0 resumes a request that moved here (request migration): the last num_generated of
         prompt_token_ids are its tokens so far; they are computed like the prompt, count toward max_tokens
         and min_tokens, and its outputs carry on at that index (a preempted request's recompute, in effect)."""
-        self._validate(request_id, prompt_token_ids, params)
+        token_array = self._validate(request_id, prompt_token_ids, params)
         if not 0 <= num_generated < min(len(prompt_token_ids), params.max_tokens):
             raise InvalidRequestError(
                 f"num_generated {num_generated} for a {len(prompt_token_ids)}-token input and max_tokens "
@@ -130,11 +131,12 @@ class Engine:
             )
         state = SamplingState(params, self.config.model.eos_token_ids, num_generated)
         num_prompt = len(prompt_token_ids) - num_generated
-        req = Request(request_id, list(prompt_token_ids), num_prompt, state)
+        req = Request(request_id, list(prompt_token_ids), num_prompt, state, token_array=token_array)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
-    def _validate(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> None:
+    def _validate(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> np.ndarray:
+        """The prompt as an int64 array [len(prompt)] once every check passed."""
         m = self.config.model
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -145,13 +147,19 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens; the model's context is {m.max_model_len} "
                 "and at least one must be left to generate"
             )
-        if min(prompt) < 0 or max(prompt) >= m.vocab_size:  # NOTE: builtins: 10x a generator on long prompts
-            bad = next(t for t in prompt if not 0 <= t < m.vocab_size)
+        try:  # NOTE: one conversion, then the range check on the array: half the time of builtin min and max
+            ids = np.fromiter(prompt, np.int64, len(prompt))
+        except (TypeError, ValueError, OverflowError):
+            bad = next(t for t in prompt if not isinstance(t, int) or not 0 <= t < m.vocab_size)
+            raise InvalidRequestError(f"token id {bad!r} outside the vocabulary [0, {m.vocab_size})") from None
+        if ids.min() < 0 or ids.max() >= m.vocab_size:
+            bad = ids[(ids < 0) | (ids >= m.vocab_size)][0]
             raise InvalidRequestError(f"token id {bad} outside the vocabulary [0, {m.vocab_size})")
         needed = self.kv.blocks_needed(len(prompt) + 1)
         if needed > self.pool.num_blocks - 1:
             raise InvalidRequestError(f"the prompt needs {needed} KV blocks; the pool has {self.pool.num_blocks - 1}")
         params.validate(m.vocab_size)
+        return ids
 
     def detach(self, request_id: str) -> Request:
         """Take a running request out of the engine WITHOUT freeing its blocks: the caller now owns one

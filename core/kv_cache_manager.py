@@ -202,7 +202,7 @@ class KVCacheManager:
         bs, hashes = self.block_size, req.block_hashes
         start, end = len(hashes), req.num_tokens // bs if num_blocks is None else num_blocks
         if end > start:  # NOTE: one conversion of the new tokens to bytes, not one per block
-            hashes.extend(hash_full_blocks(req.token_ids[start * bs : end * bs], bs, hashes[-1] if hashes else None))
+            hashes.extend(hash_full_blocks(req.tokens(start * bs, end * bs), bs, hashes[-1] if hashes else None))
         return hashes
 
     def _final_hash(self, req: Request) -> int:

@@ -12,12 +12,12 @@ from core.config import EngineConfig
 from core.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from core.decode_batch import DecodeBatch
 from core.models import load_model
-from core.prefill_graphs import HostInputs, PrefillGraphs
+from core.prefill_graphs import PREFILL_GRAPH_SEQS, HostInputs, PrefillGraphs
 from core.request import Request
 from core.sampler import SamplingState
 from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledChunk, StepPlan
-from kernels.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, TorchAttention
 
 WARMUP_LENGTHS = (1, 7, 16, 31, 64, 200)
 """Prompt lengths of the warm-up passes: each prefill-attention tile height, divisible by 16 and not."""
@@ -58,8 +58,22 @@ def make_backend(cfg: EngineConfig, device: torch.device) -> AttentionBackend:
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from kernels.triton_backend import TritonAttention
 
-        return TritonAttention(max_batch=cfg.scheduler.max_num_seqs)
+        # NOTE: a graphed prefill pass attends its PREFILL_GRAPH_SEQS logits rows as a decode batch
+        return TritonAttention(max_batch=max(cfg.scheduler.max_num_seqs, PREFILL_GRAPH_SEQS))
     return TorchAttention()
+
+
+def _token_ids(chunks: list[ScheduledChunk], starts: list[int], ends: list[int], num_tokens: int) -> np.ndarray:
+    """[num_tokens] int64 ids of the chunks' tokens, in order: slices of the requests' token arrays when they hold
+    every chunk (prefill passes), else one fromiter over the chained list slices (128 one-token chunks: 3x a
+    concatenate converting each)."""
+    arrays = [c.req.token_array for c in chunks]
+    if all(end <= len(a) for a, end in zip(arrays, ends, strict=True)):
+        if len(chunks) == 1:
+            return arrays[0][starts[0] : ends[0]]
+        return np.concatenate([a[s:e] for a, s, e in zip(arrays, starts, ends, strict=True)])
+    slices = (c.req.token_ids[s:e] for c, s, e in zip(chunks, starts, ends, strict=True))
+    return np.fromiter(itertools.chain.from_iterable(slices), np.int64, num_tokens)
 
 
 def is_decode_pass(chunks: list[ScheduledChunk]) -> bool:
@@ -118,10 +132,10 @@ class ModelRunner:
         return graphs
 
     def _prefill_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits_idx: torch.Tensor
-    ) -> torch.Tensor:  # [len(logits_idx), vocab] float32
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden]
-        return self.model.compute_logits(hidden[logits_idx])  # type: ignore[operator]
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [num_rows, vocab] float32: the logits of meta.rows
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_rows, hidden]
+        return self.model.compute_logits(hidden)  # type: ignore[operator]
 
     def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object) -> torch.Tensor:
         assert isinstance(meta, AttentionMetadata)
@@ -178,7 +192,7 @@ class ModelRunner:
         meta, longs = self._to_device(host)
         self.backend.prepare(meta)
         n = len(host.ids)
-        return self._prefill_forward(longs[:n], longs[n : 2 * n], meta, longs[3 * n :])
+        return self._prefill_forward(longs[:n], longs[n : 2 * n], meta)
 
     def _execute_decode(
         self, chunks: list[ScheduledChunk], sampled_rows: Sequence[int] | None
@@ -201,33 +215,55 @@ class ModelRunner:
         seq_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
         q_start = np.zeros(len(chunks) + 1, dtype=np.int64)
         np.cumsum(q_lens, out=q_start[1:])
-        tables = np.zeros((len(chunks), max(len(c.req.block_ids) for c in chunks)), dtype=np.int32)
+        width = max(len(c.req.block_ids) for c in chunks)
+        tables = np.zeros((len(chunks), width), dtype=np.int32)
         for i, c in enumerate(chunks):
             tables[i, : len(c.req.block_ids)] = c.req.block_ids
-        pos = np.concatenate([np.arange(s, e) for s, e in zip(starts, seq_lens, strict=True)])  # [num_tokens]
-        # NOTE: one fromiter over the chained slices: faster than concatenate converting each list (4000 ids: 1.5x;
-        # 128 one-token chunks: 3x)
-        slices = (c.req.token_ids[s:e] for c, s, e in zip(chunks, starts, seq_lens, strict=True))
-        ids = np.fromiter(itertools.chain.from_iterable(slices), np.int64, int(q_start[-1]))
-        seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)
-        slots = tables[seq_of_token, pos // bs].astype(np.int64) * bs + pos % bs
-        logits_idx = q_start[1:][[c.samples for c in chunks]] - 1
-        return HostInputs(ids, pos, slots, logits_idx, q_start.astype(np.int32), np.asarray(seq_lens, np.int32), tables)
+        seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)  # [num_tokens]
+        pos = np.arange(int(q_start[-1])) + (np.asarray(starts) - q_start[:-1])[seq_of_token]  # [num_tokens]
+        block_of_token, offset = np.divmod(pos, bs)
+        # NOTE: a flat take, not 2-D fancy indexing (4000 tokens: 2.5x)
+        slots = tables.ravel().astype(np.int64)[seq_of_token * width + block_of_token] * bs + offset
+        ids = _token_ids(chunks, starts, seq_lens, len(pos))
+        row_seqs = np.flatnonzero([c.samples for c in chunks])
+        logits_idx = q_start[1:][row_seqs] - 1
+        q_start_32, seq_lens_32 = q_start.astype(np.int32), np.asarray(seq_lens, np.int32)
+        return HostInputs(ids, pos, slots, logits_idx, q_start_32, seq_lens_32, tables, row_seqs)
 
     def _to_device(self, host: HostInputs) -> tuple[AttentionMetadata, torch.Tensor]:
-        """Metadata of an eager pass and its [ids; positions; slots; logits_idx] on the device, in two copies."""
-        n, num_seqs, tables = len(host.ids), len(host.seq_lens), host.tables
+        """Metadata of an eager pass (its logits rows' too) and its [ids; positions; slots; logits_idx] on the
+        device, in two copies."""
+        n, rows = len(host.ids), host.row_seqs
         longs_np = np.concatenate([host.ids, host.positions, host.slots, host.logits_idx])
         longs = torch.from_numpy(longs_np).to(self.device, non_blocking=True)
-        ints = torch.from_numpy(np.concatenate([host.query_start, host.seq_lens, tables.ravel()]))
-        ints_dev = ints.to(self.device, non_blocking=True)
-        meta = AttentionMetadata(
-            slot_mapping=longs[2 * n : 3 * n],
-            query_start_loc=ints_dev[: num_seqs + 1],
-            seq_lens=ints_dev[num_seqs + 1 : 2 * num_seqs + 1],
-            block_tables=ints_dev[2 * num_seqs + 1 :].view(num_seqs, tables.shape[1]),
-            query_lens=(np.diff(host.query_start)).tolist(),
-            seq_lens_cpu=host.seq_lens.tolist(),
+        row_seq_lens, row_tables = host.seq_lens[rows], host.tables[rows]
+        row_starts = np.arange(len(rows) + 1, dtype=np.int32)
+        parts = [host.query_start, host.seq_lens, host.tables.ravel(), row_starts, row_seq_lens, row_tables.ravel()]
+        ints = torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True)
+        sizes = [len(p) for p in parts]
+        q_start, seq_lens, tables, row_start, row_lens, row_tables_dev = ints.split(sizes)
+        query_lens = np.diff(host.query_start).tolist()
+        width = host.tables.shape[1]
+        meta = self._meta(q_start, seq_lens, tables.view(-1, width), query_lens, host.seq_lens, longs[2 * n : 3 * n])
+        row_meta = self._meta(row_start, row_lens, row_tables_dev.view(-1, width), [1] * len(rows), row_seq_lens, None)
+        meta.rows = OutputRows(longs[3 * n :], row_meta)
+        return meta, longs
+
+    def _meta(
+        self,
+        query_start: torch.Tensor,
+        seq_lens: torch.Tensor,
+        tables: torch.Tensor,  # [num_seqs, num_table_blocks]
+        query_lens: list[int],
+        seq_lens_cpu: np.ndarray,
+        slots: torch.Tensor | None,
+    ) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=query_start,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            query_lens=query_lens,
+            seq_lens_cpu=seq_lens_cpu.tolist(),
             block_size=self.cfg.cache.block_size,
         )
-        return meta, longs

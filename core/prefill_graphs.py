@@ -25,15 +25,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows
 
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 """Token counts a graph may be captured at; a pass of more tokens than the largest captured runs eagerly."""
 PREFILL_GRAPH_SEQS = 8
 """Sequences a graphed pass holds at most; a pass of more runs eagerly."""
 
-PrefillForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
-"""(input_ids [T], positions [T], metadata, logits_idx [S]) -> logits [S, vocab] float32."""
+PrefillForward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+"""(input_ids [T], positions [T], metadata) -> logits [S, vocab] float32 of the metadata's rows."""
 
 
 class HostInputs(NamedTuple):
@@ -46,6 +46,7 @@ class HostInputs(NamedTuple):
     query_start: np.ndarray  # [num_seqs + 1] int32
     seq_lens: np.ndarray  # [num_seqs] int32
     tables: np.ndarray  # [num_seqs, num_table_blocks] int32
+    row_seqs: np.ndarray  # [num_sampling] int64: the sequence of each logits row (see OutputRows)
 
 
 class PrefillGraphs:
@@ -61,16 +62,23 @@ class PrefillGraphs:
         device: torch.device,
     ) -> None:
         self.forward, self.backend, self.block_size, self.device = forward, backend, block_size, device
+        self.max_blocks = max_blocks
         self.sizes = graph_token_sizes(max_tokens)
         t, s = self.sizes[-1], PREFILL_GRAPH_SEQS
-        # [ids; positions; slots] and [logits_idx], then [query_start; seq_lens; tables] as one int32 buffer
+        # [ids; positions; slots] and [logits_idx], then as one int32 buffer [query_start; seq_lens; tables] of
+        # the sequences and [query_start; seq_lens; tables] of the logits rows (one row per sequence slot)
         self.longs_cpu = torch.zeros(3 * t + s, dtype=torch.int64, pin_memory=True)
-        self.ints_cpu = torch.zeros(2 * s + 1 + s * max_blocks, dtype=torch.int32, pin_memory=True)
+        self.ints_cpu = torch.zeros(2 * (2 * s + 1 + s * max_blocks), dtype=torch.int32, pin_memory=True)
+        self.ints_cpu[self._rows_at : self._rows_at + s + 1] = torch.arange(s + 1)  # NOTE: one query per row
         self.longs, self.ints = self.longs_cpu.to(device), self.ints_cpu.to(device)
-        self.max_blocks = max_blocks
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self._copied = torch.cuda.Event()  # recorded after each load's copies out of the pinned staging
+
+    @property
+    def _rows_at(self) -> int:
+        """Where the logits rows' part of the int32 buffer starts."""
+        return 2 * PREFILL_GRAPH_SEQS + 1 + PREFILL_GRAPH_SEQS * self.max_blocks
 
     def fits(self, num_tokens: int, num_seqs: int, num_table_blocks: int) -> bool:
         return num_tokens <= self.sizes[-1] and num_seqs <= PREFILL_GRAPH_SEQS and num_table_blocks <= self.max_blocks
@@ -115,27 +123,42 @@ class PrefillGraphs:
         longs[3 * t + len(host.logits_idx) : 3 * t + s] = 0
         ints[: b + 1] = host.query_start
         ints[b + 1 : s + 1] = n  # padding sequences: query length 0
-        ints[s + 1 : s + 1 + b] = host.seq_lens
-        ints[s + 1 + b : 2 * s + 1] = 0
-        tables = ints[2 * s + 1 :].reshape(s, self.max_blocks)
-        tables[:b, : host.tables.shape[1]] = host.tables
-        tables[b:, 0] = 0
+        self._load_seqs(ints[s + 1 : self._rows_at], host.seq_lens, host.tables)
+        rows = host.row_seqs
+        self._load_seqs(ints[self._rows_at + s + 1 :], host.seq_lens[rows], host.tables[rows])
         self.longs.copy_(self.longs_cpu, non_blocking=True)
         self.ints.copy_(self.ints_cpu, non_blocking=True)
         self._copied.record()
 
-    def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _load_seqs(self, part: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray) -> None:
+        """Write [seq_lens; tables] of PREFILL_GRAPH_SEQS slots; slots past the given sequences get length 0."""
+        s, b = PREFILL_GRAPH_SEQS, len(seq_lens)
+        part[:b] = seq_lens
+        part[b:s] = 0
+        table_part = part[s:].reshape(s, self.max_blocks)
+        table_part[:b, : tables.shape[1]] = tables
+        table_part[b:, 0] = 0
+
+    def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         t, s = self.sizes[-1], PREFILL_GRAPH_SEQS
-        meta = AttentionMetadata(
-            slot_mapping=self.longs[2 * t : 2 * t + size],
-            query_start_loc=self.ints[: s + 1],
-            seq_lens=self.ints[s + 1 : 2 * s + 1],
-            block_tables=self.ints[2 * s + 1 :].view(s, self.max_blocks),
-            query_lens=[size] + [0] * (s - 1),  # NOTE: sizes the kernels' grids; real lengths are read on the device
-            seq_lens_cpu=[size] + [0] * (s - 1),
+        # NOTE: query_lens and seq_lens_cpu size the kernels' grids; real lengths are read on the device
+        meta = self._meta(self.ints[: self._rows_at], [size] + [0] * (s - 1), self.longs[2 * t : 2 * t + size])
+        rows = self._meta(self.ints[self._rows_at :], [1] * s, None)
+        meta.rows = OutputRows(self.longs[3 * t : 3 * t + s], rows)
+        return self.longs[:size], self.longs[t : t + size], meta
+
+    def _meta(self, part: torch.Tensor, query_lens: list[int], slots: torch.Tensor | None) -> AttentionMetadata:
+        """Metadata over a [query_start; seq_lens; tables] part of the int32 buffer."""
+        s = PREFILL_GRAPH_SEQS
+        return AttentionMetadata(
+            slot_mapping=slots,
+            query_start_loc=part[: s + 1],
+            seq_lens=part[s + 1 : 2 * s + 1],
+            block_tables=part[2 * s + 1 :].view(s, self.max_blocks),
+            query_lens=query_lens,
+            seq_lens_cpu=[max(query_lens)] + [0] * (s - 1),
             block_size=self.block_size,
         )
-        return self.longs[:size], self.longs[t : t + size], meta, self.longs[3 * t : 3 * t + s]
 
 
 def graph_token_sizes(max_tokens: int) -> tuple[int, ...]:
@@ -147,5 +170,5 @@ def graph_token_sizes(max_tokens: int) -> tuple[int, ...]:
 def _padding_inputs() -> HostInputs:
     empty = np.zeros(0, dtype=np.int64)
     return HostInputs(
-        empty, empty, empty, empty, np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros((0, 0), np.int32)
+        empty, empty, empty, empty, np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros((0, 0), np.int32), empty
     )

@@ -5,7 +5,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from core.sampler import SamplingState
+
+NO_TOKENS = np.zeros(0, dtype=np.int64)
+NO_TOKENS.flags.writeable = False
 
 
 class RequestStatus(enum.Enum):
@@ -40,6 +45,13 @@ class Request:
     """NOTE: the last block is registered in the prefix cache and must be copied before it is written."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    token_array: np.ndarray = field(default_factory=lambda: NO_TOKENS)
+    """token_ids[:len(token_array)] as int64, made once by the engine's admission check: passes and prefix
+    hashes slice it instead of converting the list (4000 ids: ~60 us a conversion). Empty if never made."""
+
+    def tokens(self, start: int, end: int) -> np.ndarray | list[int]:
+        """token_ids[start:end]: a view of token_array when it holds them."""
+        return self.token_array[start:end] if end <= len(self.token_array) else self.token_ids[start:end]
 
     @property
     def num_tokens(self) -> int:

@@ -39,6 +39,8 @@ class AttentionMetadata:
     """Tokens per block."""
     positions: torch.Tensor | None = None
     """[num_tokens] int64 positions of the new tokens; required when slot_mapping is None."""
+    rows: OutputRows | None = None
+    """The only tokens the pass needs out of its last layer (its sampling rows); None: every token."""
     plan: Any = field(default=None)
     """Backend-specific precomputation, filled once per pass by AttentionBackend.prepare."""
 
@@ -55,14 +57,40 @@ class AttentionMetadata:
         return max(self.seq_lens_cpu)
 
 
+@dataclass
+class OutputRows:
+    """Tokens of a pass whose last-layer output is needed: the last new token of each sampling sequence.
+
+    A prefill pass samples from one row per prompt, so its last layer needs every token's K/V but the
+    attention, MLP and final norm of those rows alone (a 4000-token prompt: 1 row of 4000).
+    """
+
+    index: torch.Tensor
+    """[num_rows] int64: the rows' places among the pass's new tokens."""
+    meta: AttentionMetadata
+    """The rows as a decode batch: one query each, at the last of its sequence's seq_lens tokens."""
+
+
 class AttentionBackend(Protocol):
     """Writes new K/V into the paged cache and attends over cached prefix + new tokens.
 
-    Contract: prepare(meta) runs once per forward pass before any layer; forward(...) runs per layer,
-    writes k/v at meta.slot_mapping first, then returns attention for every query token in input order.
+    Contract: prepare(meta) runs once per forward pass before any layer (meta.rows included); forward(...)
+    runs per layer, writes k/v at meta.slot_mapping first, then returns attention for every query token in
+    input order. forward_rows(...) is the same for a last layer that needs meta.rows only.
     """
 
     def prepare(self, meta: AttentionMetadata) -> None: ...
+
+    def forward_rows(
+        self,
+        q: torch.Tensor,  # [num_rows, num_heads, head_dim]: the queries of meta.rows alone
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]: every new token's
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_rows, num_heads, head_dim]
+        ...
 
     def forward(
         self,
@@ -91,6 +119,8 @@ class TorchAttention:
     """
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.rows is not None and meta.rows.meta.num_seqs:
+            self.prepare(meta.rows.meta)
         device = meta.block_tables.device
         bs, max_q, max_s = meta.block_size, meta.max_query_len, meta.max_seq_len
         key_pos = torch.arange(max_s, device=device)  # [max_seq]
@@ -118,13 +148,36 @@ class TorchAttention:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        plan: _TorchPlan = meta.plan
+        self._append(k, v, kv_cache, meta)
+        return self._attend(q, kv_cache, meta, scale)
+
+    def forward_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        assert meta.rows is not None, "forward_rows needs a pass with output rows"
+        self._append(k, v, kv_cache, meta)
+        return self._attend(q, kv_cache, meta.rows.meta, scale) if len(q) else q
+
+    @staticmethod
+    def _append(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        slots = meta.slot_mapping if meta.slot_mapping is not None else decode_slots(meta)
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+    @staticmethod
+    def _attend(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention of meta's queries over keys that are all in the cache already."""
+        plan: _TorchPlan = meta.plan
+        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        slots = meta.slot_mapping if meta.slot_mapping is not None else decode_slots(meta)
-        k_flat.index_copy_(0, slots, k)
-        v_flat.index_copy_(0, slots, v)
         keys = k_flat[plan.key_slots].transpose(1, 2)  # [batch, kv_heads, max_seq, head_dim]
         values = v_flat[plan.key_slots].transpose(1, 2)
         num_heads = q.shape[1]

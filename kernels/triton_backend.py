@@ -60,6 +60,24 @@ class TritonAttention:
             q, k, v, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, plan.max_query_len, scale
         )
 
+    def forward_rows(
+        self,
+        q: torch.Tensor,  # [num_rows, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_rows, num_heads, head_dim]
+        """Every new token's K/V into the cache, then the rows' attention as a decode pass over the cache."""
+        assert meta.rows is not None and meta.slot_mapping is not None, "forward_rows needs a prefill pass's rows"
+        append_kv(k, v, kv_cache, slot_mapping=meta.slot_mapping)
+        rows = meta.rows.meta
+        if not len(q):
+            return q
+        workspace = self._decode_workspace(q)
+        return paged_decode_attention(q, kv_cache, rows.block_tables, rows.seq_lens, scale, workspace=workspace)
+
     def _decode_workspace(self, q: torch.Tensor) -> DecodeWorkspace:
         batch, num_heads, head_dim = q.shape
         ws = self._workspace

@@ -120,13 +120,14 @@ def export_trace(path: Path, fn) -> None:  # type: ignore[no-untyped-def]
 
 def print_profile(name: str, fn) -> None:  # type: ignore[no-untyped-def]
     """The GPU kernels of one call by total time, and where the GPU sat idle (to see where a prefill's time goes)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         torch.cuda.synchronize()
         wall = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
+        with record_function(CALL):
+            fn()
+            torch.cuda.synchronize()
         wall = (time.perf_counter() - wall) * 1e3
     print(f"==== {name}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
@@ -150,8 +151,29 @@ def print_gaps(prof, wall_ms: float) -> None:  # type: ignore[no-untyped-def]
         end, last = max(end, stop), kname
     span = (end - kernels[0][0]) / 1e3
     print(f"wall {wall_ms:.2f} ms, first->last kernel {span:.2f} ms, GPU busy {busy / 1e3:.2f} ms")
+    call = next((e for e in prof.events() if e.name == CALL), None)
+    if call is not None:
+        pre, post = kernels[0][0] - call.time_range.start, call.time_range.end - end
+        print(f"host before the first kernel {pre:.1f} us, after the last {post:.1f} us")
+        print_runtime_calls(prof, call.time_range.start)
     for gap, before, after in sorted(gaps, reverse=True)[:8]:
         print(f"  idle {gap:8.1f} us between {before[:50]!r} and {after[:50]!r}")
+
+
+CALL = "bench_call"
+"""The profiler range around one timed call."""
+
+
+def print_runtime_calls(prof, t0: float, head: int = 25, tail: int = 8) -> None:  # type: ignore[no-untyped-def]
+    """CUDA runtime calls of one profiled call (launches, copies, syncs) at their offset from its start."""
+    calls = sorted(
+        (e.time_range.start - t0, e.time_range.elapsed_us(), e.name)
+        for e in prof.events()
+        if e.name.startswith(("cuda", "cu")) and e.device_type.name == "CPU"
+    )
+    shown = calls if len(calls) <= head + tail else calls[:head] + [(float("nan"), 0.0, "...")] + calls[-tail:]
+    for at, took, name in shown:
+        print(f"  +{at:9.1f} us {took:8.1f} us  {name}")
 
 
 def bench_transformers(folder: Path, tokens: int, repeats: int) -> list[float]:

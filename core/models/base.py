@@ -19,7 +19,7 @@ class CausalLM(Protocol):
         positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden], or [len(meta.rows.index), hidden] when meta.rows is set
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from core.config import ModelConfig
 from core.models.activations import activation
 from core.models.layers import VocabEmbedding
 from core.models.loading import copy_weights
-from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows
 from kernels.layer_norm import layer_norm
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -30,10 +30,15 @@ class GPT2Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: OutputRows | None
+    ) -> torch.Tensor:  # [num_tokens, hidden], or [num_rows, hidden] for the rows alone
         # views of the fused projection, [tokens, heads, dim] each (the backend takes any token/head strides)
         q, k, v = self.c_attn(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if rows is None:
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        else:
+            out = self.backend.forward_rows(q[rows.index], k, v, kv_cache, meta, self.scale)
         return self.c_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -77,10 +82,15 @@ class GPT2Block(nn.Module):
         residual: torch.Tensor | None,  # [num_tokens, hidden]: the stream before x was added; None for block 0
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        rows: OutputRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual stream before it): each norm folds in the pending residual add, as in Llama."""
+        """(MLP output, residual stream before it): each norm folds in the pending residual add, as in Llama.
+        With rows (the last block), every token's K/V is cached but the outputs are the rows' alone."""
         x, residual = self.ln_1(x, residual)
-        x, residual = self.ln_2(self.attn(x, kv_cache, meta), residual)
+        x = self.attn(x, kv_cache, meta, rows)
+        if rows is not None:
+            residual = residual[rows.index]  # [num_rows, hidden]
+        x, residual = self.ln_2(x, residual)
         return self.mlp(x), residual
 
 
@@ -109,8 +119,10 @@ class GPT2LMHeadModel(nn.Module):
     ) -> torch.Tensor:
         x = self.transformer.wte(input_ids) + self.transformer.wpe(positions)  # [num_tokens, hidden]
         residual: torch.Tensor | None = None
-        for block, kv_cache in zip(self.transformer.h, kv_caches, strict=True):
+        *blocks, last = self.transformer.h
+        for block, kv_cache in zip(blocks, kv_caches, strict=False):
             x, residual = block(x, residual, kv_cache, meta)
+        x, residual = last(x, residual, kv_caches[-1], meta, meta.rows)
         return self.transformer.ln_f(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from core.models.activations import activation
 from core.models.layers import MergedLinear, VocabEmbedding
 from core.models.loading import copy_weights
 from core.models.rope import RotaryEmbedding
-from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows
 from kernels.fused_ops import rms_norm, silu_and_mul
 
 
@@ -63,13 +63,17 @@ class LlamaAttention(nn.Module):
         rope: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+        rows: OutputRows | None,
+    ) -> torch.Tensor:  # [num_tokens, hidden], or [num_rows, hidden] for the rows alone
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.splits, dim=-1)  # [num_tokens, (heads | kv_heads) * d]
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim], rows strided
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        if rows is None:
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+        else:
+            out = self.backend.forward_rows(q[rows.index], k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -106,14 +110,18 @@ class LlamaDecoderLayer(nn.Module):
         rope: RotaryEmbedding,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        rows: OutputRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before it): each norm folds in the pending residual add (as vLLM).
+        With rows (the last layer), every token's K/V is cached but the outputs are the rows' alone.
 
         NOTE: the stream is summed as transformers sums it (x + sublayer(x), and + commutes exactly), so fp32
         on CPU stays bit-identical.
         """
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, rope, kv_cache, meta)
+        x = self.self_attn(x, positions, rope, kv_cache, meta, rows)
+        if rows is not None:
+            residual = residual[rows.index]  # [num_rows, hidden]
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -146,8 +154,10 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         residual: torch.Tensor | None = None
         rope = self.model.rotary_emb
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        *layers, last = self.model.layers
+        for layer, kv_cache in zip(layers, kv_caches, strict=False):
             x, residual = layer(x, residual, positions, rope, kv_cache, meta)
+        x, residual = last(x, residual, positions, rope, kv_caches[-1], meta, meta.rows)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from core.sampler import SamplingState
 from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledChunk, StepPlan
 from tests.hf_reference import random_prompts
+from tests.passes import every_row_logits, prompt_plan
 
 pytestmark = pytest.mark.gpu
 NEW_TOKENS = 32
@@ -164,3 +165,24 @@ def test_prefill_graph_passes_launched_back_to_back_keep_their_inputs(tiny_llama
     outs = [graphed.runner.execute(plan).clone() for plan in graphed_plans]  # no host sync in between
     for out, prompt in zip(outs, prompts, strict=True):
         torch.testing.assert_close(out, eager.runner.execute(plan_for(eager, prompt)), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_prefill_last_layer_on_sampling_rows_matches_every_row(tiny_llama_dir: Path, eager: bool) -> None:
+    """Triton passes of sampling and non-sampling chunks (the last layer on the 3 sampling rows, as a decode
+    pass) give the logits of the same pass run over every token, and cache the same K/V."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = EngineConfig(ModelConfig.from_pretrained(tiny_llama_dir), CacheConfig(num_blocks=256), device="cuda")
+    engine = Engine(replace(cfg, enforce_eager=eager))
+    assert (engine.runner.prefill_graphs is None) == eager
+    prompts = random_prompts(1024, (37, 50, 5, 300), seed=49)
+    plan = prompt_plan(engine, prompts, (37, 20, 5, 300))
+    engine.runner.kv_pool.zero_()
+    rows = engine.runner.execute(plan).clone()
+    kv = engine.runner.kv_pool[:, :, 1:].clone()  # NOTE: graph padding writes the null block 0
+    engine.runner.kv_pool.zero_()
+    want = every_row_logits(engine.runner, plan)
+    assert rows.shape == want.shape == (3, 1024)
+    torch.testing.assert_close(rows, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv, engine.runner.kv_pool[:, :, 1:], rtol=1e-5, atol=1e-5)
+    assert kv[-1].abs().sum() > 0

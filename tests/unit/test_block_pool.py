@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -87,6 +88,12 @@ def test_hash_full_blocks_chains_and_drops_partial_tail() -> None:
     assert hash_full_blocks(tokens, 4) == [h0, h1]
     assert hash_full_blocks(tokens[:3], 4) == []
     assert hash_full_blocks(tokens[4:8], 4, parent_hash=h0) == [h1]
+
+
+def test_hash_full_blocks_of_an_int64_array_equal_the_lists() -> None:
+    tokens = [0, 5, 2**40, 127, 50256, 3, 9, 1, 70000]
+    assert hash_full_blocks(np.array(tokens, dtype=np.int64), 4, 11) == hash_full_blocks(tokens, 4, 11)
+    assert hash_full_blocks(np.array(tokens, dtype=">i8"), 4) == hash_full_blocks(tokens, 4)  # big-endian input
 
 
 def test_hash_full_blocks_rejects_bad_block_size() -> None:

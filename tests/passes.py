@@ -1,0 +1,38 @@
+"""Hand-built forward passes for tests that drive a ModelRunner directly."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from core.engine import Engine
+from core.model_runner import ModelRunner
+from core.request import Request
+from core.sampler import SamplingState
+from core.sampling_params import SamplingParams
+from core.scheduler import ScheduledChunk, StepPlan
+
+
+def prompt_plan(engine: Engine, prompts: Sequence[Sequence[int]], num_tokens: Sequence[int]) -> StepPlan:
+    """One pass over the first num_tokens[i] tokens of each prompt (fresh blocks); a chunk that stops short of
+    its prompt's end does not sample."""
+    chunks = []
+    for i, (prompt, n) in enumerate(zip(prompts, num_tokens, strict=True)):
+        req = Request(f"pass-{i}", list(prompt), len(prompt), SamplingState(SamplingParams(), ()))
+        req.block_ids.extend(engine.pool.allocate(-(-len(prompt) // engine.config.cache.block_size)))
+        chunks.append(ScheduledChunk(req, n))
+    return StepPlan(chunks=chunks)
+
+
+@torch.inference_mode()
+def every_row_logits(runner: ModelRunner, plan: StepPlan) -> torch.Tensor:  # [num_sampling, vocab] float32
+    """The pass run eagerly with the last layer over every token (no output rows), then its sampling rows'
+    logits picked out: the reference for passes whose last layer runs on those rows alone."""
+    host = runner._host_inputs(plan)
+    meta, longs = runner._to_device(host)
+    meta.rows = None
+    runner.backend.prepare(meta)
+    n = len(host.ids)
+    hidden = runner.model(longs[:n], longs[n : 2 * n], runner.kv_caches, meta)  # [num_tokens, hidden]
+    return runner.model.compute_logits(hidden[longs[3 * n :]])  # type: ignore[no-any-return, operator]
