@@ -116,16 +116,19 @@ class PrefillGraphs:
         self._copied.synchronize()
         t, s, n, b = self.sizes[-1], PREFILL_GRAPH_SEQS, len(host.ids), len(host.seq_lens)
         longs, ints = self.longs_cpu.numpy(), self.ints_cpu.numpy()
-        for row, values in enumerate((host.ids, host.positions, host.slots)):
-            longs[row * t : row * t + n] = values
-            longs[row * t + n : row * t + size] = 0
-        longs[3 * t : 3 * t + len(host.logits_idx)] = host.logits_idx
-        longs[3 * t + len(host.logits_idx) : 3 * t + s] = 0
+        rows_at, num_rows = self._rows_at, len(host.row_seqs)
+        token_rows = longs[: 3 * t].reshape(3, t)  # [ids; positions; slots]
+        token_rows[0, :n], token_rows[1, :n], token_rows[2, :n] = host.ids, host.positions, host.slots
+        token_rows[:, n:size] = 0
+        longs[3 * t : 3 * t + num_rows] = host.logits_idx
+        longs[3 * t + num_rows : 3 * t + s] = 0
         ints[: b + 1] = host.query_start
         ints[b + 1 : s + 1] = n  # padding sequences: query length 0
-        self._load_seqs(ints[s + 1 : self._rows_at], host.seq_lens, host.tables)
-        rows = host.row_seqs
-        self._load_seqs(ints[self._rows_at + s + 1 :], host.seq_lens[rows], host.tables[rows])
+        self._load_seqs(ints[s + 1 : rows_at], host.seq_lens, host.tables)
+        if num_rows == b:  # NOTE: every sequence samples (row_seqs is sorted): the rows' part is the sequences'
+            ints[rows_at + s + 1 :] = ints[s + 1 : rows_at]
+        else:
+            self._load_seqs(ints[rows_at + s + 1 :], host.seq_lens[host.row_seqs], host.tables[host.row_seqs])
         self.longs.copy_(self.longs_cpu, non_blocking=True)
         self.ints.copy_(self.ints_cpu, non_blocking=True)
         self._copied.record()

@@ -172,7 +172,9 @@ def _attend_new_tiles(
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    for start_n in range(n_start, n_end, BLOCK_N):
+    # NOTE: a third K/V stage in this loop alone (the long one of a long prompt): 4000 tokens on an H200, in the
+    # model, 0.06 ms less per pass than the kernel's two stages (standalone, cold L2: 195 -> 182 us per layer)
+    for start_n in tl.range(n_start, n_end, BLOCK_N, num_stages=3):
         j = start_n + offs_n  # [BLOCK_N]
         if TMA:
             k = k_new.load([row0 + start_n, col])

@@ -184,5 +184,5 @@ def test_prefill_last_layer_on_sampling_rows_matches_every_row(tiny_llama_dir: P
     want = every_row_logits(engine.runner, plan)
     assert rows.shape == want.shape == (3, 1024)
     torch.testing.assert_close(rows, want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(kv, engine.runner.kv_pool[:, :, 1:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv, engine.runner.kv_pool[:, :, 1:], rtol=1e-4, atol=1e-4)
     assert kv[-1].abs().sum() > 0
