@@ -10,6 +10,7 @@ vocab 128256, bf16, seeded dummy weights, a 4000-token prompt. Prints a table an
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -73,13 +74,16 @@ def bench_engine(folder: Path, tokens: int, repeats: int, backend: str, eager: b
     one = SamplingParams(temperature=0.0, max_tokens=1)
     # NOTE: prompts are made before the clock starts (transformers' baseline also gets its ids ready-made)
     vocab = SHAPE["vocab_size"]
-    prompts = iter([torch.randint(0, vocab, (tokens,), generator=gen).tolist() for _ in range(repeats + 16)])
+    # NOTE: reused after repeats + 16 calls (the profiles' extra calls): the bench's prefix cache is off
+    prompts = itertools.cycle([torch.randint(0, vocab, (tokens,), generator=gen).tolist() for _ in range(repeats + 16)])
 
     def run() -> None:
         engine.generate([next(prompts)], one)
 
     time_cuda(run, 3)
     times = time_cuda(run, repeats)
+    if HOST_TIMELINE and backend == "triton" and not eager:
+        print_host_timeline(run)
     if PROFILE:
         print_profile(f"pdserve-{backend}", run)
     if TRACE and backend == "triton":
@@ -91,7 +95,59 @@ def bench_engine(folder: Path, tokens: int, repeats: int, backend: str, eager: b
 
 PROFILE = False
 HOST_PROFILE = False
+HOST_TIMELINE = False
 TRACE = ""
+
+TIMELINE_STEPS = {
+    "core.engine:Engine": ("add_request", "_accept"),
+    "core.scheduler:Scheduler": ("schedule",),
+    "core.model_runner:ModelRunner": ("_host_inputs", "_to_device"),
+    "core.prefill_graphs:PrefillGraphs": ("_load",),
+    "torch.cuda:CUDAGraph": ("replay",),
+    "core.sampler:Sampler": ("sample",),
+}
+"""The engine steps of a prefill whose host time print_host_timeline reports, by class."""
+
+
+def print_host_timeline(fn, calls: int = 20) -> None:  # type: ignore[no-untyped-def]
+    """Median start and end (us after the call began) of each engine step over a few calls: where the host time
+    before the first kernel and after the last one goes (no profiler: its own overhead would blur them)."""
+    import importlib
+
+    t0, seen = [0], {}
+    originals = []
+    for where, names in TIMELINE_STEPS.items():
+        module, cls_name = where.split(":")
+        cls = getattr(importlib.import_module(module), cls_name)
+        for name in names:
+            originals.append((cls, name, getattr(cls, name)))
+
+    def timed(name: str, method):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            start = time.perf_counter_ns()
+            out = method(*args, **kwargs)
+            seen.setdefault(name, []).append(((start - t0[0]) / 1e3, (time.perf_counter_ns() - t0[0]) / 1e3))
+            return out
+
+        return call
+
+    for cls, name, method in originals:
+        setattr(cls, name, timed(name, method))
+    try:
+        walls = []
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            t0[0] = time.perf_counter_ns()
+            fn()
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter_ns() - t0[0]) / 1e3)
+    finally:
+        for cls, name, method in originals:
+            setattr(cls, name, method)
+    print(f"==== host timeline, {calls} calls: wall median {statistics.median(walls):.1f} us")
+    for name, spans in sorted(seen.items(), key=lambda kv: statistics.median(s for s, _ in kv[1])):
+        start, end = statistics.median(s for s, _ in spans), statistics.median(e for _, e in spans)
+        print(f"  {name:14s} start {start:9.1f} us  end {end:9.1f} us")
 
 
 def print_host_profile(fn, calls: int = 10) -> None:  # type: ignore[no-untyped-def]
@@ -225,11 +281,12 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="print each engine run's top GPU kernels")
     p.add_argument("--trace", default="", help="write a Chrome trace of one Triton-backend run here")
     p.add_argument("--host-profile", action="store_true", help="print a cProfile of Triton-backend runs")
+    p.add_argument("--host-timeline", action="store_true", help="print when each engine step runs (graphed runs)")
     p.add_argument("--pointer-loads", action="store_true", help="also run the Triton backend without TMA loads")
     p.add_argument("--lengths", default="", help="comma-separated prompt lengths: prefill graphs vs eager at each")
     args = p.parse_args()
-    global PROFILE, HOST_PROFILE, TRACE
-    PROFILE, HOST_PROFILE, TRACE = args.profile, args.host_profile, args.trace
+    global PROFILE, HOST_PROFILE, HOST_TIMELINE, TRACE
+    PROFILE, HOST_PROFILE, HOST_TIMELINE, TRACE = args.profile, args.host_profile, args.host_timeline, args.trace
     folder = write_config(Path(tempfile.mkdtemp()))
     hf = bench_transformers(folder, args.tokens, args.repeats)
     rows = {"transformers": hf}
