@@ -25,6 +25,8 @@ BAD = [
     ("too-long", [1] * 512, OK, "context"),
     ("token-too-big", [1, 1024], OK, "vocabulary"),
     ("token-negative", [1, -1], OK, "vocabulary"),
+    ("token-beyond-int64", [1, 2**70], OK, "vocabulary"),
+    ("token-not-an-integer", [1, "a"], OK, "vocabulary"),
     ("max-tokens-zero", [1], SamplingParams(max_tokens=0), "max_tokens"),
     ("max-tokens-negative", [1], SamplingParams(max_tokens=-3), "max_tokens"),
     ("temperature-negative", [1], SamplingParams(temperature=-0.5), "temperature"),
