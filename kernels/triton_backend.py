@@ -21,6 +21,10 @@ from kernels.decode_attention import MAX_SPLITS, DecodeWorkspace, paged_decode_a
 from kernels.kv_append import append_kv
 from kernels.prefill_attention import paged_prefill_attention
 
+ROWS_NUM_SPLITS = 8
+"""Split-K partitions of forward_rows' decode attention, fixed: a split count picked per pass (from the rows and
+the table width) would give the kernels new compile-time variants (split or not, padded split count) mid-serving."""
+
 
 class _TritonPlan(NamedTuple):
     decode: bool
@@ -76,7 +80,9 @@ class TritonAttention:
         if not len(q):
             return q
         workspace = self._decode_workspace(q)
-        return paged_decode_attention(q, kv_cache, rows.block_tables, rows.seq_lens, scale, workspace=workspace)
+        return paged_decode_attention(
+            q, kv_cache, rows.block_tables, rows.seq_lens, scale, num_splits=ROWS_NUM_SPLITS, workspace=workspace
+        )
 
     def _decode_workspace(self, q: torch.Tensor) -> DecodeWorkspace:
         batch, num_heads, head_dim = q.shape

@@ -29,10 +29,9 @@ def prompt_plan(engine: Engine, prompts: Sequence[Sequence[int]], num_tokens: Se
 def every_row_logits(runner: ModelRunner, plan: StepPlan) -> torch.Tensor:  # [num_sampling, vocab] float32
     """The pass run eagerly with the last layer over every token (no output rows), then its sampling rows'
     logits picked out: the reference for passes whose last layer runs on those rows alone."""
-    host = runner._host_inputs(plan)
-    meta, longs = runner._to_device(host)
-    meta.rows = None
-    runner.backend.prepare(meta)
-    n = len(host.ids)
-    hidden = runner.model(longs[:n], longs[n : 2 * n], runner.kv_caches, meta)  # [num_tokens, hidden]
-    return runner.model.compute_logits(hidden[longs[3 * n :]])  # type: ignore[no-any-return, operator]
+    dev = runner._to_device(runner._host_inputs(plan))
+    assert dev.meta.rows is not None
+    rows, dev.meta.rows = dev.meta.rows.index, None
+    runner.backend.prepare(dev.meta)
+    hidden = runner.model(dev.ids, dev.positions, runner.kv_caches, dev.meta)  # [num_tokens, hidden]
+    return runner.model.compute_logits(hidden[rows])  # type: ignore[no-any-return, operator]
