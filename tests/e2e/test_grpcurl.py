@@ -87,7 +87,9 @@ def test_streaming_generate_matches_python_client(cluster: Cluster) -> None:
     assert out.returncode == 0, out.stderr
     responses = json_messages(out.stdout)
     # NOTE: grpcurl prints proto3 JSON with the .proto's field names, enums by name and zero values left out
-    assert [len(r["token_ids"]) for r in responses] == [1] * NEW_TOKENS  # streamed one by one
+    # NOTE: streamed, not in one response; a router that falls behind merges what arrived meanwhile (stream.merge),
+    # so on a loaded machine a response may carry two tokens
+    assert len(responses) > 1 and all(r["token_ids"] for r in responses)
     tokens = [t for r in responses for t in r["token_ids"]]
     assert responses[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
     assert all("finish_reason" not in r for r in responses[:-1])
