@@ -31,6 +31,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "blocks_shared": ("pdserve_handoff_blocks_shared", "Handed-off KV blocks found in the local prefix cache."),
     "handoff_bytes": ("pdserve_handoff_bytes", "KV bytes copied from prefill workers."),
     "handoffs": ("pdserve_handoffs", "Requests handed off to decode workers."),
+    "jit_compiles_serving": ("pdserve_jit_compiles", "Triton kernel variants compiled after the warm-up."),
 }
 
 

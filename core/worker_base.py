@@ -30,6 +30,7 @@ from core.messages import (
 )
 from core.metrics import WorkerMetrics
 from core.step_timer import StepTimer
+from kernels.jit_watch import JitWatch
 
 log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
@@ -76,6 +77,8 @@ class WorkerBase:
         self.engine: Engine  # set by the subclass
         self.kv_events: KvEventPublisher  # bound by run(), once the engine (and so the block size) exists
         self.step_timer = StepTimer()
+        self.jit_watch = JitWatch()
+        self.jit_watch.install()  # NOTE: before the subclass's warm-up, whose compiles are the expected ones
         restarts = int(os.environ.get(RESTARTS_ENV, "0") or 0)
         self.metrics = WorkerMetrics(self.role, worker_id, self.heartbeat_event, restarts)
 
@@ -127,6 +130,7 @@ class WorkerBase:
             "preemptions": s.num_preemptions,
             "prompt_tokens": s.num_prompt_tokens,
             "cached_blocks": self.engine.pool.num_cached_blocks,
+            "jit_compiles_serving": self.jit_watch.num_compiles_serving,
             **self.step_timer.counters(),
         }
 
@@ -182,6 +186,7 @@ class WorkerBase:
         signal.signal(signal.SIGINT, self._stop)
         log.info("%s worker %d ready (pid %d)", self.role, self.worker_id, os.getpid())
         self.kv_events = self._bind_kv_events()
+        self.jit_watch.mark_served()
         self._heartbeat_thread.start()
         while not self._stopping:
             for sock, _ in self.poller.poll(self._poll_timeout_ms()):
@@ -220,6 +225,7 @@ class WorkerBase:
         self._stopping = True
 
     def close(self) -> None:
+        self.jit_watch.uninstall()
         self._heartbeat_stop.set()
         if self._heartbeat_thread.is_alive():
             self._heartbeat_thread.join(timeout=2.0)

@@ -106,23 +106,31 @@ def run_bench(cluster: Cluster, out: Path, name: str, args: list[str]) -> dict[s
     path = out / f"{name}.json"
     argv = ["--address", f"127.0.0.1:{PORT}", "--no-progress", "--save-detailed", "--result-json", str(path), *args]
     started, before = time.monotonic(), cluster.decode_counters()
-    forwards = prefill_forwards(cluster)
+    forwards, compiles = prefill_forwards(cluster), jit_compiles(cluster)
     code = bench.main(argv)
     after = cluster.decode_counters()
     report = json.loads(path.read_text())
     report["prefill_forward_calls"] = prefill_forwards(cluster) - forwards
+    report["jit_compiles_serving"] = jit_compiles(cluster) - compiles  # NOTE: each stalls a worker
     report["decode_prefill_tokens"] = after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
     steps = {f"p{int(q * 100)}": quantile_ms(before, after, q) for q in (0.5, 0.9, 0.99)}
     report["worker_step_ms"] = {k: "inf" if v == float("inf") else v for k, v in steps.items()}
     report["gpu"] = gpu_name()
     path.write_text(json.dumps(report, indent=1))
-    print(f"== {name}: exit {code}, {time.monotonic() - started:.1f} s, decode steps {steps}", flush=True)
+    print(f"== {name}: exit {code}, {time.monotonic() - started:.1f} s, decode steps {steps}, "
+          f"JIT compiles {report['jit_compiles_serving']}", flush=True)  # fmt: skip
     return report  # type: ignore[no-any-return]
 
 
 def prefill_forwards(cluster: Cluster) -> int:
     """Forward passes of every prefill worker so far (their heartbeat counters)."""
     return sum(cluster.counters(f"prefill-{i}")["forward_calls"] for i in range(cluster.num_prefill))
+
+
+def jit_compiles(cluster: Cluster) -> int:
+    """Triton kernel variants every worker compiled after its warm-up so far."""
+    workers = [f"prefill-{i}" for i in range(cluster.num_prefill)] + ["decode-0"]
+    return sum(cluster.counters(w).get("jit_compiles_serving", 0) for w in workers)
 
 
 def with_cluster(model: Path, out: Path, label: str, flags: list[str], runs: list[tuple[str, list[str]]]) -> None:
@@ -138,6 +146,9 @@ def with_cluster(model: Path, out: Path, label: str, flags: list[str], runs: lis
             run_bench(cluster, out, name, args)
     finally:
         cluster.stop()
+        late = [line for log in sorted((run_dir / "logs").glob("*.log")) for line in log.read_text(errors="replace")
+                .splitlines() if "while serving" in line]  # fmt: skip
+        (out / f"jit-{label}.txt").write_text("\n".join(late) + "\n")
 
 
 def shared_prefix_runs(label: str) -> list[tuple[str, list[str]]]:
