@@ -39,6 +39,26 @@ class JitCompile:
     """Wall time from the cache miss to the compiled kernel (a disk-cache hit is quick)."""
 
 
+def describe(hook_kwargs: dict[str, Any]) -> str:
+    """A compile's kernel, options and specialized arguments: `n: i32 %16` (divisible by 16), `n = 1` (a value
+    made constant), constexpr parameters with their values; Triton's own `repr` where its layout is unknown."""
+    try:
+        compile_info, fn = hook_kwargs["compile"], hook_kwargs["fn"]
+        params = fn.jit_function.params
+        attrs, constants = compile_info["configs"][0], compile_info["constants"]
+        parts = []
+        for i, (name, kind) in enumerate(compile_info["signature"].items()):
+            if kind == "constexpr":
+                parts.append(f"{name}={constants[(i,)]}" if params[i].is_constexpr else f"{name} = {constants[(i,)]}")
+            else:
+                divisible = any(attr[0] == "tt.divisibility" for attr in attrs.get((i,), ()))
+                parts.append(f"{name}: {kind}{' %16' if divisible else ''}")
+        options = f"num_warps={compile_info['num_warps']}, num_stages={compile_info['num_stages']}"
+        return f"{fn.name}[{options}]({', '.join(parts)})"
+    except (KeyError, IndexError, AttributeError, TypeError):
+        return str(hook_kwargs.get("repr", ""))
+
+
 class JitWatch:
     """Records compiles; `mark_served()` splits warm-up compiles from those that happened while serving."""
 
@@ -78,7 +98,7 @@ class JitWatch:
         seconds = 0.0 if start is None else time.monotonic() - start
         fn = kwargs.get("fn")
         name = f"{getattr(fn, 'module', '?')}.{getattr(fn, 'name', '?')}"
-        self.record(JitCompile(name, str(kwargs.get("repr", "")), seconds))
+        self.record(JitCompile(name, describe(kwargs), seconds))
         chained = self._chained[1]
         return chained(**kwargs) if chained is not None else None
 

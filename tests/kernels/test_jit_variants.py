@@ -43,7 +43,12 @@ def test_jit_watch_sees_a_new_variant_once() -> None:
     want[:96] *= 2
     assert torch.equal(x, want)
     assert watch.num_compiles == 2 and watch.num_compiles_serving == 1
-    assert "_double" in seen[-1].kernel and "n:" in seen[-1].signature and seen[-1].seconds > 0
+    assert "_double" in seen[-1].kernel and seen[-1].seconds > 0
+    assert (
+        seen[-1].signature.startswith("_double[")
+        and "n: i32 %16" in seen[-1].signature
+        and "BLOCK=128" in seen[-1].signature
+    )
 
 
 def test_served_passes_compile_no_kernel_after_the_warm_up(tiny_llama_dir: Path) -> None:

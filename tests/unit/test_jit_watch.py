@@ -64,3 +64,20 @@ def test_hooks_already_installed_are_chained_and_restored() -> None:
         assert (runtime.jit_cache_hook, runtime.jit_post_compile_hook) == (mine_before, mine_after)
     finally:
         runtime.jit_cache_hook, runtime.jit_post_compile_hook = before, after
+
+
+def test_describe_names_each_argument_s_specialization() -> None:
+    params = [SimpleNamespace(is_constexpr=c) for c in (False, False, False, True)]
+    kwargs = {
+        "fn": SimpleNamespace(name="_k", jit_function=SimpleNamespace(params=params)),
+        "compile": {
+            "signature": {"x_ptr": "*bf16", "n": "i32", "m": "constexpr", "BLOCK": "constexpr"},
+            "configs": [{(0,): [["tt.divisibility", 16]]}],
+            "constants": {(2,): 1, (3,): 128},
+            "num_warps": 4,
+            "num_stages": 2,
+        },
+    }
+    want = "_k[num_warps=4, num_stages=2](x_ptr: *bf16 %16, n: i32, m = 1, BLOCK=128)"
+    assert jit_watch.describe(kwargs) == want
+    assert jit_watch.describe({"repr": "raw"}) == "raw"  # a layout it does not know: Triton's repr
