@@ -21,9 +21,9 @@ from core.scheduler import ScheduledChunk, StepPlan
 from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, TorchAttention
 
 WARMUP_LENGTHS = (1, 7, 16, 31, 64, 200)
-"""Prompt lengths of the warm-up passes: each prefill-attention tile height, divisible by 16 and not."""
-WARMUP_BATCHES = (2, 11)
-"""Prompts per warm-up pass of several (the prefill graphs take up to 8)."""
+"""Prompt lengths of the warm-up passes: each prefill-attention tile height (it follows the longest query)."""
+WARMUP_BATCHES = (1, PREFILL_GRAPH_SEQS + 1)
+"""Prompts per warm-up pass: one (a prefill graph's pass) and more than a graph takes (an eager pass)."""
 
 
 def kv_bytes_per_block(cfg: EngineConfig) -> int:
@@ -163,9 +163,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warmup(self, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> None:
-        """Compile the Triton kernels of prefill passes before serving: one pass per prompt length on the null
-        block 0 (whose contents nothing reads). Without it the first requests pay the JIT, seconds during
-        which a worker's heartbeat thread can be starved (the compiler holds the GIL).
+        """Compile the Triton kernels of prefill passes before serving: passes of each prompt length, graphed
+        and eager, on the null block 0 (whose contents nothing reads). Without it requests pay the JIT: 0.3-1 s
+        per kernel variant, during which every stream of the worker stalls (kernels/jit_watch.py counts the
+        variants compiled after the warm-up).
         """
         bs, max_len = self.cfg.cache.block_size, self.cfg.model.max_model_len - 1
 
@@ -175,11 +176,8 @@ class ModelRunner:
             return ScheduledChunk(req, n)
 
         for n in sorted({min(n, max_len) for n in lengths}):
-            self.execute(StepPlan(chunks=[chunk(n)]))
-        # NOTE: batches of several prompts (within and beyond the prefill graphs' sequence limit) take other
-        # kernel variants than one prompt does
-        for num_seqs in WARMUP_BATCHES:
-            self.execute(StepPlan(chunks=[chunk(min(1 + 13 * i, max_len)) for i in range(num_seqs)]))
+            for num_seqs in WARMUP_BATCHES:
+                self.execute(StepPlan(chunks=[chunk(n) for _ in range(num_seqs)]))
         self.num_forward_calls = self.num_forward_tokens = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

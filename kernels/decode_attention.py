@@ -146,7 +146,7 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "max_blocks", "stride_bt"])  # NOTE: per pass, see jit_watch
 def _decode_stage1(
     q_ptr,  # [batch, num_heads, head_dim]
     k_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -255,7 +255,7 @@ def _store_output(
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_stage2(
     part_out_ptr,
     part_lse_ptr,

@@ -312,7 +312,7 @@ def _new_token_inputs(
     return q_in, k_in, v_in
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks", "num_tokens", "stride_bt"])  # NOTE: per pass, see jit_watch
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim], rows strided
     k_new_ptr,  # [num_tokens, num_kv_heads, head_dim]: the new tokens' K, rows strided
