@@ -19,6 +19,7 @@ from core.sampler import SamplingState
 from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledChunk, StepPlan
 from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, TorchAttention
+from kernels.pass_inputs import token_positions_slots
 
 WARMUP_LENGTHS = (1, 7, 16, 31, 64, 200)
 """Prompt lengths of the warm-up passes: each prefill-attention tile height (it follows the longest query)."""
@@ -224,8 +225,9 @@ class ModelRunner:
         return self._decode_forward(batch.input_ids[:n], batch.positions[:n], meta)
 
     def _host_inputs(self, plan: StepPlan) -> HostInputs:
-        """Flat inputs of a general pass, built with numpy on the host."""
-        bs, chunks = self.cfg.cache.block_size, plan.chunks
+        """A general pass's token ids and per-sequence metadata, built with numpy on the host (positions and
+        slots follow from them: kernels/pass_inputs.py)."""
+        chunks = plan.chunks
         q_lens = [c.num_tokens for c in chunks]
         starts = [c.req.num_computed_tokens for c in chunks]
         seq_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
@@ -235,16 +237,11 @@ class ModelRunner:
         tables = np.zeros((len(chunks), width), dtype=np.int32)
         for i, c in enumerate(chunks):
             tables[i, : len(c.req.block_ids)] = c.req.block_ids
-        seq_of_token = np.repeat(np.arange(len(chunks)), q_lens)  # [num_tokens]
-        pos = np.arange(int(q_start[-1])) + (np.asarray(starts) - q_start[:-1])[seq_of_token]  # [num_tokens]
-        block_of_token, offset = np.divmod(pos, bs)
-        # NOTE: a flat take, not 2-D fancy indexing (4000 tokens: 2.5x)
-        slots = tables.ravel().astype(np.int64)[seq_of_token * width + block_of_token] * bs + offset
-        ids = _token_ids(chunks, starts, seq_lens, len(pos))
+        ids = _token_ids(chunks, starts, seq_lens, int(q_start[-1]))
         row_seqs = np.flatnonzero([c.samples for c in chunks])
         logits_idx = q_start[1:][row_seqs] - 1
         q_start_32, seq_lens_32 = q_start.astype(np.int32), np.asarray(seq_lens, np.int32)
-        return HostInputs(ids, pos, slots, logits_idx, q_start_32, seq_lens_32, tables, row_seqs)
+        return HostInputs(ids, logits_idx, q_start_32, seq_lens_32, tables, row_seqs)
 
     def _to_device(self, host: HostInputs) -> DevicePass:
         """An eager pass's ids, positions and metadata (its logits rows' too) on the device, in two copies.
@@ -255,7 +252,9 @@ class ModelRunner:
         stalled 11 times for 0.4-1.3 s). One variant per kernel now, compiled by the warm-up.
         """
         n, rows = len(host.ids), host.row_seqs
-        longs_np, (ids_at, pos_at, slots_at, rows_at) = _packed([host.ids, host.positions, host.slots, host.logits_idx])
+        bs = self.cfg.cache.block_size
+        positions, slots_np = token_positions_slots(host.query_start, host.seq_lens, host.tables, bs)
+        longs_np, (ids_at, pos_at, slots_at, rows_at) = _packed([host.ids, positions, slots_np, host.logits_idx])
         longs = torch.from_numpy(longs_np).to(self.device, non_blocking=True)
         width = -(-host.tables.shape[1] // 16) * 16
         tables = np.zeros((len(host.seq_lens), width), dtype=np.int32)

@@ -8,7 +8,8 @@ The sizes captured run up to the first one that holds the scheduler's token budg
 so every pass of a default budget (4096) replays a graph: even a 4000-token pass, whose GPU time hides the
 launches, spent ~1 ms of its start with the GPU waiting on the host's first kernels.
 
-Inputs live in persistent buffers of the largest size's tokens and PREFILL_GRAPH_SEQS sequences. Padding
+Inputs live in persistent buffers of the largest size's tokens and PREFILL_GRAPH_SEQS sequences: token ids and
+the sequences' metadata come from the host, positions and slots are computed from them inside the graph. Padding
 tokens (past the pass's real tokens) have id 0 at position 0 and write their K/V into slot 0 of the null block;
 they belong to no sequence (query_start_loc stops at the real tokens), so attention leaves their rows
 unwritten and nothing reads them. Padding sequences have query length 0 and seq_len 0.
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows
+from kernels.pass_inputs import fill_positions_slots
 
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, *range(512, 1536, 128), *range(1536, 4097, 256))
 """Token counts a graph may be captured at; a pass of more tokens than the largest captured runs eagerly.
@@ -46,8 +48,6 @@ class HostInputs(NamedTuple):
     """One general pass's flat inputs, built on the host (ModelRunner._host_inputs)."""
 
     ids: np.ndarray  # [num_tokens] int64
-    positions: np.ndarray  # [num_tokens] int64
-    slots: np.ndarray  # [num_tokens] int64
     logits_idx: np.ndarray  # [num_sampling] int64
     query_start: np.ndarray  # [num_seqs + 1] int32
     seq_lens: np.ndarray  # [num_seqs] int32
@@ -71,12 +71,14 @@ class PrefillGraphs:
         self.max_blocks = max_blocks
         self.sizes = graph_token_sizes(max_tokens)
         t, s = self.sizes[-1], PREFILL_GRAPH_SEQS
-        # [ids; positions; slots] and [logits_idx], then as one int32 buffer [query_start; seq_lens; tables] of
-        # the sequences and [query_start; seq_lens; tables] of the logits rows (one row per sequence slot)
-        self.longs_cpu = torch.zeros(3 * t + s, dtype=torch.int64, pin_memory=True)
+        # [ids; logits_idx], then as one int32 buffer [query_start; seq_lens; tables] of the sequences and
+        # [query_start; seq_lens; tables] of the logits rows (one row per sequence slot); [positions; slots] are
+        # written on the device
+        self.longs_cpu = torch.zeros(t + s, dtype=torch.int64, pin_memory=True)
         self.ints_cpu = torch.zeros(2 * (2 * s + 1 + s * max_blocks), dtype=torch.int32, pin_memory=True)
         self.ints_cpu[self._rows_at : self._rows_at + s + 1] = torch.arange(s + 1)  # NOTE: one query per row
         self.longs, self.ints = self.longs_cpu.to(device), self.ints_cpu.to(device)
+        self.token_places = torch.zeros(2, t, dtype=torch.int64, device=device)  # [positions; slots]
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
         self._copied = torch.cuda.Event()  # recorded after each load's copies out of the pinned staging
@@ -98,12 +100,19 @@ class PrefillGraphs:
         self._load(_padding_inputs(), size)  # NOTE: all padding: warm-up and capture write only the null block
         args = self._views(size)
         self.backend.prepare(args[2])
-        self.forward(*args)  # warm-up: compiles kernels
+        self._forward(*args)  # warm-up: compiles kernels
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.forward(*args)  # [PREFILL_GRAPH_SEQS, vocab]
+            logits = self._forward(*args)  # [PREFILL_GRAPH_SEQS, vocab]
         return graph, logits
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        assert meta.slot_mapping is not None
+        fill_positions_slots(
+            meta.query_start_loc, meta.seq_lens, meta.block_tables, positions, meta.slot_mapping, self.block_size
+        )
+        return self.forward(ids, positions, meta)
 
     def run(self, host: HostInputs) -> torch.Tensor:  # [num_sampling, vocab] float32, a view of the graph's output
         """Load a pass (fits() must hold) and replay the graph of the smallest size that holds it."""
@@ -123,11 +132,10 @@ class PrefillGraphs:
         t, s, n, b = self.sizes[-1], PREFILL_GRAPH_SEQS, len(host.ids), len(host.seq_lens)
         longs, ints = self.longs_cpu.numpy(), self.ints_cpu.numpy()
         rows_at, num_rows = self._rows_at, len(host.row_seqs)
-        token_rows = longs[: 3 * t].reshape(3, t)  # [ids; positions; slots]
-        token_rows[0, :n], token_rows[1, :n], token_rows[2, :n] = host.ids, host.positions, host.slots
-        token_rows[:, n:size] = 0
-        longs[3 * t : 3 * t + num_rows] = host.logits_idx
-        longs[3 * t + num_rows : 3 * t + s] = 0
+        longs[:n] = host.ids
+        longs[n:size] = 0
+        longs[t : t + num_rows] = host.logits_idx
+        longs[t + num_rows : t + s] = 0
         ints[: b + 1] = host.query_start
         ints[b + 1 : s + 1] = n  # padding sequences: query length 0
         self._load_seqs(ints[s + 1 : rows_at], host.seq_lens, host.tables)
@@ -151,10 +159,10 @@ class PrefillGraphs:
     def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         t, s = self.sizes[-1], PREFILL_GRAPH_SEQS
         # NOTE: query_lens and seq_lens_cpu size the kernels' grids; real lengths are read on the device
-        meta = self._meta(self.ints[: self._rows_at], [size] + [0] * (s - 1), self.longs[2 * t : 2 * t + size])
+        meta = self._meta(self.ints[: self._rows_at], [size] + [0] * (s - 1), self.token_places[1, :size])
         rows = self._meta(self.ints[self._rows_at :], [1] * s, None)
-        meta.rows = OutputRows(self.longs[3 * t : 3 * t + s], rows)
-        return self.longs[:size], self.longs[t : t + size], meta
+        meta.rows = OutputRows(self.longs[t : t + s], rows)
+        return self.longs[:size], self.token_places[0, :size], meta
 
     def _meta(self, part: torch.Tensor, query_lens: list[int], slots: torch.Tensor | None) -> AttentionMetadata:
         """Metadata over a [query_start; seq_lens; tables] part of the int32 buffer."""
@@ -178,6 +186,4 @@ def graph_token_sizes(max_tokens: int) -> tuple[int, ...]:
 
 def _padding_inputs() -> HostInputs:
     empty = np.zeros(0, dtype=np.int64)
-    return HostInputs(
-        empty, empty, empty, empty, np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros((0, 0), np.int32), empty
-    )
+    return HostInputs(empty, empty, np.zeros(1, np.int32), np.zeros(0, np.int32), np.zeros((0, 0), np.int32), empty)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from core.engine import Engine
+from kernels.pass_inputs import token_positions_slots
 from tests.hf_reference import random_prompts
 from tests.passes import prompt_plan
 
@@ -33,6 +35,17 @@ def test_eager_pass_tensors_are_aligned_and_tables_16_wide(tiny_llama_dir: Path,
     width = host.tables.shape[1]
     assert torch.equal(meta.block_tables[:, :width], torch.from_numpy(host.tables))
     assert not meta.block_tables[:, width:].any()  # NOTE: padded with the null block
-    assert torch.equal(dev.positions, torch.from_numpy(host.positions))
+    positions, slots = token_positions_slots(host.query_start, host.seq_lens, host.tables, 16)
+    assert torch.equal(dev.positions, torch.from_numpy(positions))
+    assert meta.slot_mapping is not None and torch.equal(meta.slot_mapping, torch.from_numpy(slots))
     assert torch.equal(rows.index, torch.from_numpy(host.logits_idx))
     assert torch.equal(rows.meta.seq_lens, torch.from_numpy(host.seq_lens[host.row_seqs]))
+
+
+def test_positions_and_slots_follow_from_the_sequences_metadata() -> None:
+    """A 5-token chunk after a 20-token cached prefix (blocks 7, 3) and a fresh 3-token prompt (block 9)."""
+    query_start, seq_lens = np.array([0, 5, 8], np.int32), np.array([25, 3], np.int32)
+    tables = np.array([[7, 3], [9, 0]], np.int32)
+    positions, slots = token_positions_slots(query_start, seq_lens, tables, 16)
+    assert positions.tolist() == [20, 21, 22, 23, 24, 0, 1, 2]
+    assert slots.tolist() == [52, 53, 54, 55, 56, 144, 145, 146]
