@@ -62,6 +62,19 @@ class Adoption(NamedTuple):
         return list(src_block_ids[self.num_shared : self.num_shared + len(self.dst)])
 
 
+TokenIds = Sequence[int] | np.ndarray
+"""Token ids as a list, or as an array (as unpacked from a message: core.messages.unpack_token_ids)."""
+
+
+def _int64_array(ids: TokenIds) -> np.ndarray:
+    """[len(ids)] int64; TypeError / OverflowError for ids that are not integers (an array of another kind too)."""
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"token ids of dtype {ids.dtype}")
+        return ids.astype(np.int64)
+    return np.fromiter(ids, np.int64, len(ids))
+
+
 PLACEHOLDER = -1
 """Stands in token_ids for a token sampled by the in-flight step until the host reads it."""
 
@@ -116,7 +129,7 @@ class Engine:
         return self.runner.num_forward_calls
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, num_generated: int = 0
+        self, request_id: str, prompt_token_ids: TokenIds, params: SamplingParams, num_generated: int = 0
     ) -> None:
         """Queue a request; raises InvalidRequestError for a request that can never run.
 
@@ -131,16 +144,17 @@ class Engine:
             )
         state = SamplingState(params, self.config.model.eos_token_ids, num_generated)
         num_prompt = len(prompt_token_ids) - num_generated
-        req = Request(request_id, list(prompt_token_ids), num_prompt, state, token_array=token_array)
+        ids = prompt_token_ids.tolist() if isinstance(prompt_token_ids, np.ndarray) else list(prompt_token_ids)
+        req = Request(request_id, ids, num_prompt, state, token_array=token_array)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
-    def _validate(self, request_id: str, prompt: Sequence[int], params: SamplingParams) -> np.ndarray:
+    def _validate(self, request_id: str, prompt: TokenIds, params: SamplingParams) -> np.ndarray:
         """The prompt as an int64 array [len(prompt)] once every check passed."""
         m = self.config.model
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if not prompt:
+        if len(prompt) == 0:
             raise InvalidRequestError("the prompt is empty")
         if len(prompt) >= m.max_model_len:
             raise InvalidRequestError(
@@ -148,7 +162,7 @@ class Engine:
                 "and at least one must be left to generate"
             )
         try:  # NOTE: one conversion, then the range check on the array: half the time of builtin min and max
-            ids = np.fromiter(prompt, np.int64, len(prompt))
+            ids = _int64_array(prompt)
         except (TypeError, ValueError, OverflowError) as exc:
             msg = f"token ids must be integers in the vocabulary [0, {m.vocab_size}): {exc}"
             raise InvalidRequestError(msg) from None
@@ -175,7 +189,7 @@ class Engine:
         self.pool.free(list(block_ids)[::-1])
 
     def adopt(
-        self, request_id: str, token_ids: Sequence[int], num_prompt_tokens: int, sampling: SamplingState
+        self, request_id: str, token_ids: TokenIds, num_prompt_tokens: int, sampling: SamplingState
     ) -> Adoption | None:
         """Add a request whose KV for all but the last token was computed elsewhere (a handoff).
 
@@ -187,7 +201,8 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
             return None
-        req = Request(request_id, list(token_ids), num_prompt_tokens, sampling, status=RequestStatus.RUNNING)
+        ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
+        req = Request(request_id, ids, num_prompt_tokens, sampling, status=RequestStatus.RUNNING)
         num_shared = self.kv.adopt(req, len(token_ids) - 1)
         if num_shared is None:
             return None

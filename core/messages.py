@@ -10,22 +10,46 @@ NOTE: this module must not import torch: the router imports it.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgpack
+import numpy as np
 
 from core.sampling_params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 << 20
 """Largest frame any socket accepts (a 1M-token prompt is ~5 MB of msgpack)."""
 
 
 class MessageError(ValueError):
     """A frame that is not a valid message of this protocol version."""
+
+
+def pack_token_ids(ids: Sequence[int]) -> bytes:
+    """Token ids as they travel (GenerateCmd, HandoffCmd): int32 little-endian bytes, a msgpack bin.
+
+    NOTE: a msgpack list of ints cost, per 1000 tokens on the CPU VM, 14 us to pack, 21 us to unpack and 31 us
+    for the receiver's per-element type check, ~3x that on a GPU host and in the exact-hit TTFT path; bytes
+    pack in 17 us (array) and unpack into an array in ~1 us. Raises OverflowError / TypeError for ids that
+    are not int32 integers."""
+    packed = array.array("i", ids)
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_token_ids(raw: object) -> np.ndarray | None:  # [num_tokens] int32, read-only; None: not token ids
+    """pack_token_ids' inverse; None unless raw is bytes holding whole int32s."""
+    if type(raw) is not bytes or len(raw) % 4:
+        return None
+    return np.frombuffer(raw, dtype="<i4")
 
 
 @dataclass(frozen=True)
@@ -60,7 +84,8 @@ class GenerateCmd:
 
     TAG: ClassVar[str] = "generate"
     request_id: str
-    token_ids: list[int]
+    token_ids: bytes
+    """The prompt, pack_token_ids."""
     sampling: Sampling
     decode_worker: int
     timings: Timings = field(default_factory=Timings)
@@ -86,8 +111,8 @@ class HandoffCmd:
     """Identity of the prefill worker's KV pool (changes on restart): a stale handshake is redone."""
     lease_id: int
     block_ids: list[int]
-    token_ids: list[int]
-    """Prompt followed by the first token; the KV of all but the last token is in block_ids."""
+    token_ids: bytes
+    """Prompt followed by the first token (pack_token_ids); the KV of all but the last token is in block_ids."""
     num_prompt_tokens: int
     num_cached_tokens: int
     sampling: Sampling

@@ -27,6 +27,7 @@ from core.messages import (
     Sampling,
     Timings,
     sampling_to_params,
+    unpack_token_ids,
 )
 from core.metrics import WorkerMetrics
 from core.step_timer import StepTimer
@@ -49,8 +50,8 @@ def bad_fields(cmd: GenerateCmd) -> str | None:
         return f"request_id {cmd.request_id!r}, decode_worker {cmd.decode_worker!r}"
     if not isinstance(cmd.sampling, Sampling) or not isinstance(cmd.timings, Timings):
         return f"{cmd.request_id}: sampling or timings is not a mapping"
-    if not isinstance(cmd.token_ids, list) or not all(type(t) is int for t in cmd.token_ids):
-        return f"{cmd.request_id}: token_ids is not a list of ints"
+    if unpack_token_ids(cmd.token_ids) is None:
+        return f"{cmd.request_id}: token_ids are not packed int32s"
     if type(cmd.sampling.num_generated) is not int:
         return f"{cmd.request_id}: num_generated {cmd.sampling.num_generated!r}"
     return None
@@ -110,7 +111,9 @@ class WorkerBase:
             return False
         try:
             params = sampling_to_params(cmd.sampling)
-            self.engine.add_request(cmd.request_id, cmd.token_ids, params, cmd.sampling.num_generated)
+            token_ids = unpack_token_ids(cmd.token_ids)
+            assert token_ids is not None  # NOTE: bad_fields checked it
+            self.engine.add_request(cmd.request_id, token_ids, params, cmd.sampling.num_generated)
         except InvalidRequestError as exc:
             ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "INVALID_ARGUMENT", str(exc)))
             return False

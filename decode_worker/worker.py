@@ -43,6 +43,7 @@ from core.messages import (
     decode,
     encode,
     sampling_to_params,
+    unpack_token_ids,
 )
 from core.sampler import SamplingState
 from core.worker_base import WorkerBase
@@ -158,7 +159,8 @@ class DecodeWorker(WorkerBase):
             return f"prefill worker {cmd.prefill_worker!r}"
         if not isinstance(cmd.request_id, str) or not isinstance(cmd.pool_id, str) or type(cmd.lease_id) is not int:
             return f"request_id {cmd.request_id!r}, pool_id {cmd.pool_id!r}, lease_id {cmd.lease_id!r}"
-        if not (_is_int_list(cmd.block_ids) and _is_int_list(cmd.token_ids) and type(cmd.num_prompt_tokens) is int):
+        ids = unpack_token_ids(cmd.token_ids)
+        if not (_is_int_list(cmd.block_ids) and ids is not None and len(ids) and type(cmd.num_prompt_tokens) is int):
             return f"{cmd.request_id}: block_ids, token_ids or num_prompt_tokens"
         if not isinstance(cmd.sampling, Sampling) or not isinstance(cmd.timings, Timings):
             return f"{cmd.request_id}: sampling or timings is not a mapping"
@@ -229,8 +231,10 @@ class DecodeWorker(WorkerBase):
         room yet."""
         s = cmd.sampling
         state = SamplingState(sampling_to_params(s), self.cfg.model.eos_token_ids, s.num_generated)
+        token_ids = unpack_token_ids(cmd.token_ids)
+        assert token_ids is not None  # NOTE: _bad_handoff checked it
         try:
-            dst = self.engine.adopt(cmd.request_id, cmd.token_ids, cmd.num_prompt_tokens, state)
+            dst = self.engine.adopt(cmd.request_id, token_ids, cmd.num_prompt_tokens, state)
         except InvalidRequestError as exc:
             self._release(cmd)
             ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "INTERNAL", str(exc)))

@@ -46,6 +46,7 @@ from core.messages import (
     TokenBatchEvent,
     TokenEvent,
     decode,
+    pack_token_ids,
 )
 from router.admission import AdmissionQueue, NoRoomError, blocks_needed
 from router.config import RouterConfig
@@ -299,7 +300,8 @@ class WorkerHub:
 
     def _send_generate(self, req: TrackedRequest, token_ids: list[int], sampling: Sampling) -> bool:
         """GenerateCmd for req's current attempt to its prefill worker (colocated: its decode worker)."""
-        cmd = GenerateCmd(req.worker_request_id, token_ids, sampling, req.decode_worker, Timings(arrival=req.arrival))
+        packed = pack_token_ids(token_ids)
+        cmd = GenerateCmd(req.worker_request_id, packed, sampling, req.decode_worker, Timings(arrival=req.arrival))
         if req.prefill_worker == COLOCATED:
             return ipc.send(self.to_decode[req.decode_worker], cmd)
         return ipc.send(self.to_prefill[req.prefill_worker], cmd)

@@ -15,7 +15,16 @@ import msgpack
 import pytest
 import zmq
 
-from core.messages import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, GenerateCmd, HandshakeEvent, Sampling, decode, encode
+from core.messages import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL_VERSION,
+    GenerateCmd,
+    HandshakeEvent,
+    Sampling,
+    decode,
+    encode,
+    pack_token_ids,
+)
 from tests.e2e.cluster import Cluster, running
 from tests.e2e.test_cluster import greedy_request, stream, tokens_of, wait_blocks_returned
 from tests.reliability.report import record
@@ -45,7 +54,7 @@ def pack(version: Any, tag: Any, fields: Any) -> Frame:
 def generate_fields(**overrides: Any) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "request_id": "hostile",
-        "token_ids": [1, 2, 3],
+        "token_ids": pack_token_ids([1, 2, 3]),
         "sampling": {"max_tokens": 2},
         "decode_worker": 0,
     }
@@ -59,7 +68,7 @@ def handoff_fields(**overrides: Any) -> dict[str, Any]:
         "pool_id": "no-such-pool",
         "lease_id": 987654,
         "block_ids": [-1, 3],
-        "token_ids": list(range(1, 21)),
+        "token_ids": pack_token_ids(range(1, 21)),
         "num_prompt_tokens": 19,
         "num_cached_tokens": 0,
         "sampling": {"max_tokens": 2},
@@ -70,7 +79,7 @@ def handoff_fields(**overrides: Any) -> dict[str, Any]:
 
 def common_frames() -> list[Frame]:
     """Frames every socket must drop, whatever it serves."""
-    valid = encode(GenerateCmd("hostile-trunc", [1, 2, 3], Sampling(max_tokens=2), 0))
+    valid = encode(GenerateCmd("hostile-trunc", pack_token_ids([1, 2, 3]), Sampling(max_tokens=2), 0))
     rng = random.Random(7)
     return [
         [b"a", b"b", b"c"],
@@ -91,7 +100,9 @@ def prefill_frames() -> list[Frame]:
     return [
         pack(v, "generate", generate_fields(token_ids="not a list")),
         pack(v, "generate", generate_fields(token_ids=[1, "x", 3])),
-        pack(v, "generate", generate_fields(token_ids=[-4, 2])),
+        pack(v, "generate", generate_fields(token_ids=[1, 2, 3])),  # a list: not packed
+        pack(v, "generate", generate_fields(token_ids=b"\x01\x00\x00")),  # not whole int32s
+        pack(v, "generate", generate_fields(token_ids=pack_token_ids([-4, 2]))),
         pack(v, "generate", generate_fields(request_id="hostile-t", timings="not timings")),
         pack(v, "generate", generate_fields(request_id="hostile-d", decode_worker=7)),
         pack(v, "generate", generate_fields(request_id="hostile-s", sampling={"max_tokens": "many"})),

@@ -23,7 +23,7 @@ import pytest
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from core.messages import HandoffCmd, Sampling, Timings, encode
+from core.messages import HandoffCmd, Sampling, Timings, encode, pack_token_ids
 from tests.e2e.cluster import ROOT, free_port
 from tests.e2e.test_cluster import greedy_request, stream, tokens_of
 from tests.reliability.report import record
@@ -109,7 +109,7 @@ def test_a_worker_with_another_kv_layout_is_refused_and_the_rest_serve(cluster: 
     push: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
     push.connect(f"ipc://{cluster.run_dir / 'decode-1.sock'}")
     sampling = Sampling(temperature=0.0, max_tokens=4, num_generated=1)
-    handoff = HandoffCmd("stray", 0, "some-pool", 1, [1], [1, 2, 3, 4], 3, 0, sampling, Timings())
+    handoff = HandoffCmd("stray", 0, "some-pool", 1, [1], pack_token_ids([1, 2, 3, 4]), 3, 0, sampling, Timings())
     push.send(encode(handoff))
     push.close(linger=2000)
     wait_until(lambda: "refused a handshake" in cluster.log("prefill-0"), "prefill-0's refusal", cluster)

@@ -30,6 +30,7 @@ from core.messages import (
     Timings,
     TokenBatchEvent,
     TokenEvent,
+    pack_token_ids,
 )
 from core.request import Request
 from core.sampler import SamplingState
@@ -204,7 +205,9 @@ def harness(tiny_llama_dir: Path) -> Iterator[Harness]:
 
 def handoff(request_id: str, lease_id: int, prompt: list[int], block_ids: list[int]) -> HandoffCmd:
     sampling = Sampling(temperature=0.0, max_tokens=4, ignore_eos=True, num_generated=1)
-    return HandoffCmd(request_id, 0, POOL_ID, lease_id, block_ids, [*prompt, 21], len(prompt), 0, sampling, Timings())
+    return HandoffCmd(
+        request_id, 0, POOL_ID, lease_id, block_ids, pack_token_ids([*prompt, 21]), len(prompt), 0, sampling, Timings()
+    )
 
 
 def recording_sink(worker: DecodeWorker) -> RecordingSink:
@@ -254,7 +257,7 @@ def test_generate_cmd_is_served_with_its_first_token_in_a_cluster_with_prefill_w
     worker = harness.worker
     assert worker.to_prefill  # a disaggregated cluster
     sampling = Sampling(temperature=0.0, max_tokens=4, ignore_eos=True)
-    worker.handle(GenerateCmd("g", PROMPT_B, sampling, decode_worker=0, timings=Timings(arrival=1.0)))
+    worker.handle(GenerateCmd("g", pack_token_ids(PROMPT_B), sampling, decode_worker=0, timings=Timings(arrival=1.0)))
     while worker.engine.has_unfinished():
         worker.step_engine()
     batches = received(harness.router, 1)

@@ -21,7 +21,16 @@ import zmq
 
 from core import ipc
 from core.config import CacheConfig, EngineConfig, ModelConfig
-from core.messages import AbortCmd, HandoffCmd, Message, ReleaseCmd, RequestErrorEvent, Sampling, Timings
+from core.messages import (
+    AbortCmd,
+    HandoffCmd,
+    Message,
+    ReleaseCmd,
+    RequestErrorEvent,
+    Sampling,
+    Timings,
+    pack_token_ids,
+)
 from core.worker_base import PENDING_POLL_MS
 from decode_worker.worker import DecodeWorker
 from kvtransfer.base import KVTransferError, PullHandle, make_source
@@ -99,7 +108,7 @@ def async_sink(worker: DecodeWorker) -> AsyncSink:
 
 def handoff(request_id: str, lease_id: int, block_ids: list[int] | None = None) -> HandoffCmd:
     sampling = Sampling(temperature=0.0, max_tokens=4, ignore_eos=True, num_generated=1)
-    token_ids = [*PROMPT, FIRST_TOKEN]
+    token_ids = pack_token_ids([*PROMPT, FIRST_TOKEN])
     return HandoffCmd(
         request_id, 0, POOL_ID, lease_id, block_ids or [3, 4], token_ids, len(PROMPT), 0, sampling, Timings()
     )

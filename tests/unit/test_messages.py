@@ -1,11 +1,25 @@
-"""core.messages: a step's TokenEvents travel as one TokenBatchEvent frame; bad batches are refused."""
+"""core.messages: a step's TokenEvents travel as one TokenBatchEvent frame; bad batches are refused; token ids
+travel as packed int32s."""
 
 from __future__ import annotations
 
 import msgpack
+import numpy as np
 import pytest
 
-from core.messages import PROTOCOL_VERSION, MessageError, Timings, TokenBatchEvent, TokenEvent, decode, encode
+from core.messages import (
+    PROTOCOL_VERSION,
+    GenerateCmd,
+    MessageError,
+    Sampling,
+    Timings,
+    TokenBatchEvent,
+    TokenEvent,
+    decode,
+    encode,
+    pack_token_ids,
+    unpack_token_ids,
+)
 
 
 def test_a_token_batch_round_trips_with_nested_timings() -> None:
@@ -20,3 +34,24 @@ def test_a_malformed_token_batch_is_a_message_error(events: object) -> None:
     frame = msgpack.packb([PROTOCOL_VERSION, TokenBatchEvent.TAG, {"events": events}], use_bin_type=True)
     with pytest.raises(MessageError):
         decode(frame)
+
+
+def test_token_ids_travel_as_packed_int32s() -> None:
+    ids = [0, 1, 49151, 128255, 2**31 - 1]
+    cmd = GenerateCmd("r", pack_token_ids(ids), Sampling(), 0)
+    back = decode(encode(cmd))
+    assert isinstance(back, GenerateCmd) and type(back.token_ids) is bytes
+    unpacked = unpack_token_ids(back.token_ids)
+    assert unpacked is not None and unpacked.dtype == np.int32 and unpacked.tolist() == ids
+    assert unpack_token_ids(pack_token_ids([])) is not None and len(pack_token_ids([])) == 0
+
+
+@pytest.mark.parametrize("raw", [[1, 2], "abcd", b"\x01\x02\x03", None, bytearray(4)])
+def test_anything_but_whole_int32_bytes_is_not_token_ids(raw: object) -> None:
+    assert unpack_token_ids(raw) is None
+
+
+@pytest.mark.parametrize("ids", [[2**31], [1, 2.5], ["7"]])
+def test_ids_that_are_not_int32_integers_do_not_pack(ids: list) -> None:
+    with pytest.raises((OverflowError, TypeError)):
+        pack_token_ids(ids)

@@ -27,6 +27,7 @@ from core.messages import (
     TokenEvent,
     decode,
     encode,
+    pack_token_ids,
 )
 from prefill_worker.worker import PrefillWorker
 
@@ -93,7 +94,11 @@ def test_a_steps_first_tokens_all_go_out_before_its_handoffs(
     monkeypatch.setattr(ipc, "send", record)
     sampling = Sampling(temperature=0.0, max_tokens=4, ignore_eos=True)
     for i in range(3):
-        worker.handle(GenerateCmd(f"r{i}", [5 + i] * (9 + i), sampling, decode_worker=0, timings=Timings(arrival=1.0)))
+        worker.handle(
+            GenerateCmd(
+                f"r{i}", pack_token_ids([5 + i] * (9 + i)), sampling, decode_worker=0, timings=Timings(arrival=1.0)
+            )
+        )
     while len([m for m in sent if isinstance(m, HandoffCmd)]) < 3:
         assert worker.step_engine()
     kinds = [type(m) for m in sent if isinstance(m, (TokenEvent, HandoffCmd))]

@@ -36,6 +36,7 @@ from core.messages import (
     Timings,
     TokenEvent,
     decode,
+    pack_token_ids,
 )
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -157,7 +158,7 @@ class FakePrefill(FakeWorker):
         timings = Timings(arrival=t, prefill_start=t + 0.001, prefill_end=t + 0.003, first_token=t + 0.003)
         k = msg.sampling.num_generated  # NOTE: > 0 for a migrated request: its first new token is token k
         finish = s.finish_reason if len(s.tokens) == k + 1 else None
-        num_prompt = len(msg.token_ids) - k
+        num_prompt = len(msg.token_ids) // 4 - k  # NOTE: packed int32s
         self.send(TokenEvent(msg.request_id, k, s.tokens[k : k + 1], finish, num_prompt, s.num_cached_tokens, timings))
         if finish is None:
             self.decode[msg.decode_worker].begin(msg.request_id, k + 1)
@@ -242,7 +243,7 @@ def test_stream_has_tokens_in_order_with_text_usage_and_finish(
             got = await h.generate(pb.GenerateRequest(text="Say hello", sampling=sampling, request_id="req-1"))
             (cmd,) = h.prefill.got(GenerateCmd, "req-1")
             assert isinstance(cmd, GenerateCmd)
-            assert cmd.token_ids == prompt and cmd.decode_worker == 0 and cmd.timings.arrival > 0
+            assert cmd.token_ids == pack_token_ids(prompt) and cmd.decode_worker == 0 and cmd.timings.arrival > 0
             assert (cmd.sampling.temperature, cmd.sampling.max_tokens, cmd.sampling.seed) == (0.0, len(tokens), 5)
             # NOTE: events that arrive together leave together (one response), so count tokens, not responses
             assert [t for r in got for t in r.token_ids] == tokens and all(r.token_ids for r in got)
@@ -374,7 +375,11 @@ def test_restarted_prefill_worker_with_migration_gets_the_request_again(smollm2_
             h.prefill.incarnation = uuid.uuid4().hex  # what a restarted process looks like
             got = [r async for r in call]
             (cmd,) = h.prefill.got(GenerateCmd, "p#migrated-1")
-            assert isinstance(cmd, GenerateCmd) and cmd.token_ids == [1, 2, 3] and cmd.sampling.num_generated == 0
+            assert (
+                isinstance(cmd, GenerateCmd)
+                and cmd.token_ids == pack_token_ids([1, 2, 3])
+                and cmd.sampling.num_generated == 0
+            )
             assert [t for r in got for t in r.token_ids] == tokens and got[-1].finish_reason == pb.FINISH_REASON_LENGTH
             assert h.prefill.got(AbortCmd, "p")  # the lost attempt, in case the worker still has it
             assert h.router.hub.num_migrations == 1 and len(h.router.hub.table) == 0
@@ -405,7 +410,7 @@ def test_lost_decode_worker_with_migration_resumes_with_the_tokens_so_far(smollm
             assert got == tokens  # nothing lost, nothing twice
             (cmd,) = h.prefill.got(GenerateCmd, "d#migrated-1")
             assert isinstance(cmd, GenerateCmd)
-            assert cmd.token_ids == [1, 2, 3, *tokens[:6]] and cmd.sampling.num_generated == 6
+            assert cmd.token_ids == pack_token_ids([1, 2, 3, *tokens[:6]]) and cmd.sampling.num_generated == 6
             assert (cmd.sampling.max_tokens, cmd.sampling.seed) == (len(tokens), 3)
             assert h.router.hub.num_migrations == 1 and len(h.router.hub.table) == 0
 
@@ -537,7 +542,7 @@ def test_client_streams_text_to_stdout_and_usage_to_stderr(
             code = await asyncio.to_thread(client.main, argv)
             (cmd,) = h.prefill.got(GenerateCmd)
             assert isinstance(cmd, GenerateCmd) and cmd.sampling.temperature == 0.0 and cmd.sampling.max_tokens == 64
-            assert cmd.token_ids == tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+            assert cmd.token_ids == pack_token_ids(tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))
             return code
 
     assert asyncio.run(body()) == 0
