@@ -67,6 +67,17 @@ def test_hash_equal_in_fresh_process() -> None:
     assert [int(x) for x in out[1].split()] == hash_full_blocks(list(range(10)), 4)
 
 
+@pytest.mark.parametrize("parent", [None, 12345])
+def test_full_block_hashes_chain_hash_block_tokens(parent: int | None) -> None:
+    tokens = [(7 * i) % 50000 for i in range(70)]  # 4 full blocks of 16 and a tail
+    chained, h = [], parent
+    for i in range(4):
+        h = hash_block_tokens(h, tokens[16 * i : 16 * (i + 1)])
+        chained.append(h)
+    assert hash_full_blocks(tokens, 16, parent) == chained
+    assert hash_full_blocks(np.array(tokens, dtype=np.int32), 16, parent) == chained
+
+
 def test_hash_differs_by_parent_tokens_and_length() -> None:
     base = hash_block_tokens(None, [1, 2, 3, 4])
     assert hash_block_tokens(None, [1, 2, 3, 4]) == base
