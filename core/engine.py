@@ -66,6 +66,11 @@ TokenIds = Sequence[int] | np.ndarray
 """Token ids as a list, or as an array (as unpacked from a message: core.messages.unpack_token_ids)."""
 
 
+def _id_list(ids: TokenIds) -> list[int]:
+    """A request's own list of Python ints (an array's elements converted, not numpy scalars)."""
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+
+
 def _int64_array(ids: TokenIds) -> np.ndarray:
     """[len(ids)] int64; TypeError / OverflowError for ids that are not integers (an array of another kind too)."""
     if isinstance(ids, np.ndarray):
@@ -144,8 +149,7 @@ class Engine:
             )
         state = SamplingState(params, self.config.model.eos_token_ids, num_generated)
         num_prompt = len(prompt_token_ids) - num_generated
-        ids = prompt_token_ids.tolist() if isinstance(prompt_token_ids, np.ndarray) else list(prompt_token_ids)
-        req = Request(request_id, ids, num_prompt, state, token_array=token_array)
+        req = Request(request_id, _id_list(prompt_token_ids), num_prompt, state, token_array=token_array)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -201,8 +205,7 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
             return None
-        ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
-        req = Request(request_id, ids, num_prompt_tokens, sampling, status=RequestStatus.RUNNING)
+        req = Request(request_id, _id_list(token_ids), num_prompt_tokens, sampling, status=RequestStatus.RUNNING)
         num_shared = self.kv.adopt(req, len(token_ids) - 1)
         if num_shared is None:
             return None
