@@ -67,7 +67,7 @@ def _hash_bytes(parent_hash: int | None, payload: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + payload, seed=BLOCK_HASH_SEED)
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int] | np.ndarray) -> int:
     """Chained hash of one block: xxh3_64(seed=BLOCK_HASH_SEED) over the parent hash as 8 bytes
     little-endian (ROOT_PARENT_HASH when None) followed by the tokens as little-endian int64.
 

@@ -13,6 +13,7 @@ from core.block_pool import BlockPool
 from core.config import EngineConfig
 from core.errors import InvalidRequestError
 from core.kv_cache_manager import CachedLogits, KVCacheManager
+from core.messages import TokenIds
 from core.model_runner import KVAllocator, ModelRunner, is_decode_pass
 from core.request import Request, RequestStatus
 from core.sampler import Sampler, SamplingState
@@ -60,10 +61,6 @@ class Adoption(NamedTuple):
     def sources(self, src_block_ids: Sequence[int]) -> list[int]:
         """The blocks to copy from, given the source's blocks of all the computed tokens (in order)."""
         return list(src_block_ids[self.num_shared : self.num_shared + len(self.dst)])
-
-
-TokenIds = Sequence[int] | np.ndarray
-"""Token ids as a list, or as an array (as unpacked from a message: core.messages.unpack_token_ids)."""
 
 
 def _id_list(ids: TokenIds) -> list[int]:

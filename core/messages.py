@@ -32,17 +32,33 @@ class MessageError(ValueError):
     """A frame that is not a valid message of this protocol version."""
 
 
-def pack_token_ids(ids: Sequence[int]) -> bytes:
+TokenIds = Sequence[int] | np.ndarray
+"""Token ids as a list or a [num_tokens] integer array (what the router and the workers hold)."""
+
+INT32 = np.iinfo(np.int32)
+
+
+def pack_token_ids(ids: TokenIds) -> bytes:
     """Token ids as they travel (GenerateCmd, HandoffCmd): int32 little-endian bytes, a msgpack bin.
 
     NOTE: a msgpack list of ints cost, per 1000 tokens on the CPU VM, 14 us to pack, 21 us to unpack and 31 us
     for the receiver's per-element type check, ~3x that on a GPU host and in the exact-hit TTFT path; bytes
-    pack in 17 us (array) and unpack into an array in ~1 us. Raises OverflowError / TypeError for ids that
-    are not int32 integers."""
+    pack in 17 us (a list) or ~2 us (an integer array) and unpack into an array in ~1 us. Raises OverflowError /
+    TypeError for ids that are not int32 integers."""
+    if isinstance(ids, np.ndarray):
+        return _pack_array(ids)
     packed = array.array("i", ids)
     if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
         packed.byteswap()
     return packed.tobytes()
+
+
+def _pack_array(ids: np.ndarray) -> bytes:
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"token ids of dtype {ids.dtype}")
+    if ids.size and (ids.min() < INT32.min or ids.max() > INT32.max):
+        raise OverflowError("token id outside int32")
+    return ids.astype("<i4", copy=False).tobytes()
 
 
 def unpack_token_ids(raw: object) -> np.ndarray | None:  # [num_tokens] int32, read-only; None: not token ids

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
+from core.messages import TokenIds
 from router.config import RouterConfig
 from router.prefix_index import PrefixIndex, prompt_block_hashes
 from router.routing import PendingPrefixes, PrefillLoad, RoundRobin, cached_tokens, choose_prefill_worker
@@ -59,7 +60,7 @@ class Dispatcher:
         self.num_local_prefills = 0
         """Requests sent straight to a decode worker by conditional disaggregation."""
 
-    def assign(self, request_id: str, token_ids: Sequence[int], view: ClusterView) -> Assignment:
+    def assign(self, request_id: str, token_ids: TokenIds, view: ClusterView) -> Assignment:
         """Workers for a new request; NoWorkerError when a role it needs has none up."""
         decode = choose_decode(view.decode_up, view.num_at_decode, view.decode_free_blocks)
         if decode is None:
@@ -78,7 +79,7 @@ class Dispatcher:
             return Assignment(prefill, decode, len(token_ids))
         return self._route_by_prefix(request_id, token_ids, view, decode)
 
-    def _route_by_prefix(self, request_id: str, token_ids: Sequence[int], view: ClusterView, decode: int) -> Assignment:
+    def _route_by_prefix(self, request_id: str, token_ids: TokenIds, view: ClusterView, decode: int) -> Assignment:
         block_size = self.index.block_size("prefill") or self.cfg.block_size
         hashes = prompt_block_hashes(token_ids, block_size) if block_size else []
         cached = self._cached_tokens(hashes, len(token_ids), block_size or 0)
@@ -98,7 +99,7 @@ class Dispatcher:
             matched[worker] = max(n, matched.get(worker, 0))
         return {w: cached_tokens(n, len(hashes), num_tokens, block_size) for w, n in matched.items()}
 
-    def _local_decode_worker(self, token_ids: Sequence[int], view: ClusterView) -> int | None:
+    def _local_decode_worker(self, token_ids: TokenIds, view: ClusterView) -> int | None:
         """Conditional disaggregation: the up decode worker holding the longest prefix of the prompt, if that
         leaves <= local_prefill_threshold tokens to compute and its load is within max_queue_skew of the
         least-loaded one's; None otherwise (or when off)."""

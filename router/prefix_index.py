@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from core.block_pool import hash_block_tokens, hash_full_blocks
-from core.messages import KV_STORED, KvEventBatchEvent, KvSnapshotEvent
+from core.messages import KV_STORED, KvEventBatchEvent, KvSnapshotEvent, TokenIds
 
 MAX_HELD_EVENTS = 1 << 18
 """Events held per out-of-sync worker until its snapshot; the oldest batches go first (a later gap asks again)."""
@@ -40,7 +40,7 @@ class WorkerKey(NamedTuple):
     worker_id: int
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def prompt_block_hashes(token_ids: TokenIds, block_size: int) -> list[int]:
     """The hashes a worker's pool caches a prompt's blocks under: one per full block, chained, then the partial
     tail's (hash_block_tokens chained on the last full block's hash) if len(token_ids) % block_size != 0.
 
@@ -49,7 +49,7 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """
     hashes = hash_full_blocks(token_ids, block_size)
     tail = token_ids[len(hashes) * block_size :]
-    if tail:
+    if len(tail):
         hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tail))
     return hashes
 

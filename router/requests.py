@@ -11,6 +11,8 @@ import asyncio
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from core.messages import RequestErrorEvent, Sampling, TokenEvent
 from router.routing import PrefillLoad
 
@@ -44,7 +46,8 @@ class TrackedRequest:
     """One in-flight request. NOTE: mutated only on the event loop thread."""
 
     request_id: str
-    prompt_ids: list[int]
+    prompt_ids: np.ndarray
+    """[num_prompt_tokens] int64"""
     sampling: Sampling
     arrival: float
     prefill_worker: int
@@ -90,7 +93,7 @@ class RequestTable:
         """The request whose current attempt workers know by this id (None for a lost attempt's id)."""
         return self.by_worker_id.get(worker_request_id)
 
-    def open(self, request_id: str, prompt_ids: list[int], sampling: Sampling, arrival: float) -> TrackedRequest:
+    def open(self, request_id: str, prompt_ids: np.ndarray, sampling: Sampling, arrival: float) -> TrackedRequest:
         """A new request, on no worker yet (place it)."""
         if request_id in self.requests:
             raise DuplicateRequestError(request_id)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from core.messages import Sampling, Timings, TokenEvent
+from core.messages import Sampling, Timings, TokenEvent, TokenIds
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.tokenizer import RouterTokenizer, StopStringMatcher
 
@@ -76,7 +76,7 @@ class ResponseBuilder:
     reason, usage and timings."""
 
     def __init__(
-        self, request_id: str, prompt_ids: Sequence[int], sampling: Sampling, stop: Sequence[str],
+        self, request_id: str, prompt_ids: TokenIds, sampling: Sampling, stop: Sequence[str],
         tokenizer: RouterTokenizer, arrival: float,
     ) -> None:  # fmt: skip
         self.request_id = request_id

@@ -18,6 +18,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from core.messages import TokenIds
+
 REPLACEMENT_CHAR = "\ufffd"
 """What a decoder yields for bytes that are not (yet) a whole UTF-8 character."""
 DETOKENIZE_CONTEXT = 5
@@ -67,7 +69,7 @@ class RouterTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
-    def detokenizer(self, prompt_ids: Sequence[int]) -> IncrementalDetokenizer:
+    def detokenizer(self, prompt_ids: TokenIds) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids)
 
 
@@ -75,9 +77,9 @@ class IncrementalDetokenizer:
     """Output text delta by delta (vLLM's prefix/read offsets): decode a short window of ids twice, with and
     without the new ones, and emit the difference once it no longer ends in a broken character."""
 
-    def __init__(self, tokenizer: RouterTokenizer, prompt_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: RouterTokenizer, prompt_ids: TokenIds) -> None:
         self.tokenizer = tokenizer
-        self.token_ids = list(prompt_ids[-DETOKENIZE_CONTEXT:])
+        self.token_ids = [int(t) for t in prompt_ids[-DETOKENIZE_CONTEXT:]]  # NOTE: Python ints, an array's too
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.num_context = len(self.token_ids)

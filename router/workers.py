@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -205,7 +206,7 @@ class WorkerHub:
         self.ctx.destroy(linger=0)
 
     # --- requests -------------------------------------------------------------------------------------
-    async def admit(self, request_id: str, token_ids: list[int], sampling: Sampling, arrival: float) -> TrackedRequest:
+    async def admit(self, request_id: str, token_ids: np.ndarray, sampling: Sampling, arrival: float) -> TrackedRequest:
         """submit() once a decode worker has KV room for the request, waiting in the admission queue (FIFO)
         until then; QueueFullError when the queue is full, DuplicateRequestError / NoWorkerError as submit."""
         if request_id in self.table:
@@ -229,7 +230,7 @@ class WorkerHub:
             self.admission.notify()  # NOTE: there may be room for the next one too
             return req
 
-    def submit(self, request_id: str, token_ids: list[int], sampling: Sampling, arrival: float) -> TrackedRequest:
+    def submit(self, request_id: str, token_ids: np.ndarray, sampling: Sampling, arrival: float) -> TrackedRequest:
         """Pick workers with room and send GenerateCmd; DuplicateRequestError / NoWorkerError / NoRoomError when
         that is impossible now."""
         if request_id in self.table:
@@ -252,7 +253,7 @@ class WorkerHub:
         the new first worker cannot be reached."""
         self.abort(req)
         self.dispatcher.forget(req.worker_request_id)
-        token_ids = req.prompt_ids + generated
+        token_ids = np.concatenate([req.prompt_ids, np.array(generated, dtype=np.int64)])
         workers = self._assign(attempt_id(req.request_id, req.attempt + 1), token_ids, 0)
         self.table.unplace(req)
         req.attempt += 1
@@ -279,7 +280,7 @@ class WorkerHub:
         block_size = self.kv_block_size("decode")
         return blocks_needed(num_tokens, max_tokens, block_size) if block_size else 0
 
-    def _assign(self, worker_request_id: str, token_ids: list[int], need: int) -> Assignment:
+    def _assign(self, worker_request_id: str, token_ids: np.ndarray, need: int) -> Assignment:
         """Workers for a request that needs `need` KV blocks at its decode worker (0: no room check)."""
         live, table = self.liveness, self.table
         decode_up = live.up("decode")
@@ -298,7 +299,7 @@ class WorkerHub:
         reserved = min(need, total) if total else need
         self.table.place(req, workers.prefill_worker, workers.decode_worker, workers.prefill_tokens, reserved)
 
-    def _send_generate(self, req: TrackedRequest, token_ids: list[int], sampling: Sampling) -> bool:
+    def _send_generate(self, req: TrackedRequest, token_ids: np.ndarray, sampling: Sampling) -> bool:
         """GenerateCmd for req's current attempt to its prefill worker (colocated: its decode worker)."""
         packed = pack_token_ids(token_ids)
         cmd = GenerateCmd(req.worker_request_id, packed, sampling, req.decode_worker, Timings(arrival=req.arrival))

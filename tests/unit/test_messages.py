@@ -51,7 +51,17 @@ def test_anything_but_whole_int32_bytes_is_not_token_ids(raw: object) -> None:
     assert unpack_token_ids(raw) is None
 
 
-@pytest.mark.parametrize("ids", [[2**31], [1, 2.5], ["7"]])
-def test_ids_that_are_not_int32_integers_do_not_pack(ids: list) -> None:
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16])
+def test_an_integer_array_packs_like_its_list(dtype: type) -> None:
+    ids = [0, 1, 49151, 7, 65535]
+    assert pack_token_ids(np.array(ids, dtype=dtype)) == pack_token_ids(ids)
+    assert pack_token_ids(np.array(ids, dtype=np.int64)[::2]) == pack_token_ids(ids[::2])  # a strided view too
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[2**31], [1, 2.5], ["7"], np.array([1, 2**31]), np.array([-(2**31) - 1]), np.array([1.0, 2.0]), np.array(["7"])],
+)
+def test_ids_that_are_not_int32_integers_do_not_pack(ids: object) -> None:
     with pytest.raises((OverflowError, TypeError)):
-        pack_token_ids(ids)
+        pack_token_ids(ids)  # type: ignore[arg-type]

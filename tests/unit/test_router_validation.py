@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from core.messages import Sampling
@@ -61,7 +62,7 @@ def test_bad_request_is_refused_with_a_message(
 
 def test_unset_sampling_fields_take_the_engine_defaults(validator: RequestValidator) -> None:
     valid = validator.validate(ids(5, 6, 7))
-    assert valid.token_ids == [5, 6, 7]
+    assert valid.token_ids.dtype == np.int64 and valid.token_ids.tolist() == [5, 6, 7]
     assert valid.sampling == Sampling(temperature=1.0, top_k=0, top_p=1.0, seed=None, max_tokens=16, min_tokens=0)
     assert valid.stop == ()
 
@@ -76,18 +77,25 @@ def test_set_sampling_fields_are_passed_on(validator: RequestValidator) -> None:
 
 def test_text_and_chat_are_tokenized(validator: RequestValidator) -> None:
     tok = validator.tokenizer
-    assert validator.validate(pb.GenerateRequest(text="Hello there")).token_ids == tok.encode("Hello there")
+    assert validator.validate(pb.GenerateRequest(text="Hello there")).token_ids.tolist() == tok.encode("Hello there")
     chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Hi")])
     expected = tok.encode_chat([{"role": "user", "content": "Hi"}])
-    assert validator.validate(pb.GenerateRequest(chat=chat)).token_ids == expected
+    assert validator.validate(pb.GenerateRequest(chat=chat)).token_ids.tolist() == expected
 
 
 def test_unknown_chat_roles_are_passed_to_the_template(validator: RequestValidator) -> None:
     chat = pb.ChatMessages(messages=[pb.ChatMessage(role="tool", content="42")])
     messages = [{"role": "tool", "content": "42"}]
     assert "<|im_start|>tool\n42" in validator.tokenizer.render_chat(messages)
-    assert validator.validate(pb.GenerateRequest(chat=chat)).token_ids == validator.tokenizer.encode_chat(messages)
+    assert validator.validate(pb.GenerateRequest(chat=chat)).token_ids.tolist() == validator.tokenizer.encode_chat(
+        messages
+    )
 
 
 def test_model_spec_reads_limits_and_eos_ids(validator: RequestValidator) -> None:
     assert validator.model == ModelSpec("SmolLM2-135M-Instruct", 49152, 8192, (2,))
+
+
+def test_a_bad_token_id_is_named_with_its_position(validator: RequestValidator) -> None:
+    with pytest.raises(ValidationError, match=r"token id 49152 at position 2 outside"):
+        validator.validate(ids(1, 2, 49152, -1))
