@@ -7,9 +7,9 @@
 Parts (each fits one ~10-minute device call):
 - disagg: a prefill + a decode worker on one GPU under a 50/50 MPS split. Long-prompt interference (64
   short streams x 256 tokens, 4000-token prompts at 2/s) and the same short streams alone (decode-only);
-  shared prefix (900 + 100 tokens, 30 out) at 1, 5, 10, 20 req/s; the exact whole-prompt hit; random
-  512-2048 in / 128-512 out at a Poisson rate. Then the same cluster without the prefix cache for the
-  shared-prefix rates.
+  shared prefix (900 + 100 tokens, 30 out; the prefixes cached first) at 1, 5, 10, 20 req/s; the exact
+  whole-prompt hit; random 512-2048 in / 128-512 out at a Poisson rate. Then the same cluster without the
+  prefix cache for the shared-prefix rates.
 - colocated: one worker doing prefill (chunked) and decode: interference and the random load.
 - transformers: the random load through transformers `generate` in static batches.
 - routing (issue 6): 2 prefill workers + 1 decode worker, prefix-aware routing vs round-robin: a shared-prefix
@@ -52,6 +52,8 @@ WITH_LONG = [*INTERFERENCE, "--long-rate", "2", "--duration", "15"]
 DECODE_ONLY = [*INTERFERENCE, "--long-rate", "0", "--duration", "10"]
 """The same short streams alone."""
 SHARED_RATES = (1, 5, 10, 20)
+SHARED_SECONDS = 10
+"""Seconds of arrivals in each shared-prefix run (10 prompts at 1/s, 200 at 20/s)."""
 EXACT_PREFIX = "1000"
 
 
@@ -152,12 +154,23 @@ def with_cluster(model: Path, out: Path, label: str, flags: list[str], runs: lis
 
 
 def shared_prefix_runs(label: str) -> list[tuple[str, list[str]]]:
-    base = ["--dataset", "shared-prefix", "--num-groups", "8", "--prefix-len", "900", "--suffix-len", "100"]
-    base += ["--output-len", "30"]
-    return [
-        (f"shared-{label}-rate{r}", [*base, "--num-prompts", str(8 * r), "--request-rate", str(r)])
-        for r in SHARED_RATES
-    ]
+    """Per rate: the 8 prefixes alone, one request each (in the cache from then on, as a system prompt is in
+    steady state), then SHARED_SECONDS of Poisson arrivals of prefix + unique suffix. Each rate has its own
+    seed, so its prefixes and suffixes are its own.
+
+    NOTE: with one seed for every rate (before 2026-11-24) the suffixes repeated across the runs of a cluster
+    (a fixed output length draws nothing from the generator): half the prompts at 10 and 20/s were whole-prompt
+    hits of an earlier run, and the 8 prompts at 1/s were all misses.
+    """
+    base = ["--dataset", "shared-prefix", "--num-groups", "8", "--prefix-len", "900"]
+    runs = []
+    for rate in SHARED_RATES:
+        seed = ["--seed", str(rate)]
+        warm = [*base, "--suffix-len", "0", "--output-len", "1", "--num-prompts", "8", "--max-concurrency", "1"]
+        load = [*base, "--suffix-len", "100", "--output-len", "30", "--request-rate", str(rate)]
+        load += ["--num-prompts", str(SHARED_SECONDS * rate)]
+        runs += [(f"prefixes-{label}-rate{rate}", [*warm, *seed]), (f"shared-{label}-rate{rate}", [*load, *seed])]
+    return runs
 
 
 EXACT = ["--dataset", "shared-prefix", "--num-groups", "1", "--prefix-len", EXACT_PREFIX, "--suffix-len", "0"]
