@@ -39,6 +39,12 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--heartbeat-interval", type=float, default=0.25)
     parser.add_argument(
+        "--busy-poll-ms",
+        type=float,
+        default=None,
+        help="after work, poll without sleeping this long before blocking (default: 1000 on CUDA, 0 on CPU)",
+    )
+    parser.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="WARNING drops the per-request lines"
     )
     parser.add_argument(

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
 PENDING_POLL_MS = 1
 """Poll timeout of an idle loop while has_pending_work(): short, so that work is not held up a heartbeat."""
+CUDA_BUSY_POLL_S = 1.0
+"""Default busy-poll window of a CUDA worker (see WorkerBase.busy_poll_s); CPU workers default to none."""
 
 
 RESTARTS_ENV = "PDSERVE_RESTARTS"
@@ -72,6 +75,11 @@ class WorkerBase:
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
         self.heartbeat_interval = heartbeat_interval
+        self.busy_poll_s = 0.0
+        """After any work the loop polls without sleeping for this long before it blocks, so a request that
+        comes meanwhile finds the process running on a core that never went idle, instead of waking it (at
+        the cost of that core). NOTE: for hosts whose workers have cores of their own (a GPU host)."""
+        self._last_work = 0.0
         self._stopping = False
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
@@ -192,13 +200,17 @@ class WorkerBase:
         self.jit_watch.mark_served()
         self._heartbeat_thread.start()
         while not self._stopping:
-            for sock, _ in self.poller.poll(self._poll_timeout_ms()):
+            ready = self.poller.poll(self._poll_timeout_ms())
+            if ready:
+                self._last_work = time.monotonic()
+            for sock, _ in ready:
                 if sock is self.inbox:
                     for msg in ipc.recv_all(self.inbox):
                         self._safe_handle(msg)
                 else:
                     self.handle_socket(sock)
             if self.engine.has_unfinished():
+                self._last_work = time.monotonic()
                 produced = self.step_engine()
                 self.step_timer.mark(produced and self.engine.has_unfinished())
             self.after_step()
@@ -211,7 +223,7 @@ class WorkerBase:
         return KvEventPublisher.bind(self.ctx, ipc.kv_events_addr(self.run_dir, self.role, self.worker_id), origin)
 
     def _poll_timeout_ms(self) -> int:
-        if self.engine.has_unfinished():
+        if self.engine.has_unfinished() or time.monotonic() - self._last_work < self.busy_poll_s:
             return 0
         return PENDING_POLL_MS if self.has_pending_work() else int(self.heartbeat_interval * 1000)
 

@@ -10,9 +10,17 @@ from pathlib import Path
 
 from core.cli import add_cluster_args, add_engine_args, engine_config_from_args
 from core.config import EngineConfig
-from core.worker_base import WorkerBase
+from core.worker_base import CUDA_BUSY_POLL_S, WorkerBase
 
 WorkerFactory = Callable[[EngineConfig, argparse.Namespace], WorkerBase]
+
+
+def busy_poll_seconds(busy_poll_ms: float | None, device: str) -> float:
+    """--busy-poll-ms in seconds; unset: CUDA_BUSY_POLL_S for a CUDA worker (a GPU host has cores to spare),
+    none for a CPU one (its cores run the model)."""
+    if busy_poll_ms is not None:
+        return max(busy_poll_ms, 0.0) / 1e3
+    return CUDA_BUSY_POLL_S if device.startswith("cuda") else 0.0
 
 
 def main(role: str, factory: WorkerFactory, argv: list[str] | None = None) -> int:
@@ -28,7 +36,9 @@ def main(role: str, factory: WorkerFactory, argv: list[str] | None = None) -> in
         stream=sys.stderr,
     )
     try:
-        worker = factory(engine_config_from_args(args), args)
+        cfg = engine_config_from_args(args)
+        worker = factory(cfg, args)
+        worker.busy_poll_s = busy_poll_seconds(args.busy_poll_ms, cfg.device)
         if args.metrics_port is not None:
             port_file = Path(args.run_dir) / "metrics" / f"{role}-{args.worker_id}.port"
             port = worker.metrics.serve(args.metrics_port, port_file)

@@ -32,6 +32,7 @@ from core.messages import (
     pack_token_ids,
 )
 from core.worker_base import PENDING_POLL_MS
+from core.worker_main import busy_poll_seconds
 from decode_worker.worker import DecodeWorker
 from kvtransfer.base import KVTransferError, PullHandle, make_source
 from kvtransfer.pool import allocate_kv_pool
@@ -171,6 +172,33 @@ def test_aborted_request_keeps_its_lease_until_the_copy_is_done_and_the_idle_loo
     worker.after_step()
     assert received(harness.prefill, 1) == [ReleaseCmd(0, [3], POOL_ID)]
     assert worker._poll_timeout_ms() == 250
+
+
+def test_busy_polling_keeps_the_loop_awake_for_its_window_after_work(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = harness.worker
+    now = [100.0]
+    monkeypatch.setattr("core.worker_base.time.monotonic", lambda: now[0])
+    worker.busy_poll_s = 1.0
+    worker._last_work = now[0]  # what run() records after a poll that found messages, or a step
+    assert worker._poll_timeout_ms() == 0
+    now[0] += 0.99
+    assert worker._poll_timeout_ms() == 0
+    now[0] += 0.02
+    assert worker._poll_timeout_ms() == 250  # the window is over: block until a message or a heartbeat
+    worker.busy_poll_s = 0.0
+    worker._last_work = now[0]
+    assert worker._poll_timeout_ms() == 250  # off (a CPU worker's default): never spins
+
+
+BUSY_POLL_CASES = [(None, "cuda", 1.0), (None, "cuda:1", 1.0), (None, "cpu", 0.0), (5.0, "cpu", 0.005)]
+BUSY_POLL_CASES += [(0.0, "cuda", 0.0), (-1.0, "cuda", 0.0)]
+
+
+@pytest.mark.parametrize(("flag", "device", "seconds"), BUSY_POLL_CASES)
+def test_busy_poll_defaults_to_cuda_workers_only(flag: float | None, device: str, seconds: float) -> None:
+    assert busy_poll_seconds(flag, device) == seconds
 
 
 def test_failed_pull_releases_at_once_and_reports_the_request(harness: Harness) -> None:
