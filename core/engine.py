@@ -187,7 +187,16 @@ class Engine:
 
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop references taken by detach (tail first, like any free)."""
+        self.kv.flush()
         self.pool.free(list(block_ids)[::-1])
+
+    def flush_commits(self) -> None:
+        """Offer the prompts the last step computed to the prefix cache (their blocks, tail and last_logits).
+
+        step() returns a prompt's first token before this, so callers send it out first, then call this; the
+        next step() (or a free of the request's blocks) does it otherwise.
+        """
+        self.kv.flush()
 
     def adopt(
         self, request_id: str, token_ids: TokenIds, num_prompt_tokens: int, sampling: SamplingState
@@ -233,6 +242,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduling round and at most one forward pass; outputs of the pass, or of the previous decode
         pass when this one is a decode pass that overlaps it (see the class docstring)."""
+        self.kv.flush()
         plan = self.scheduler.schedule()
         self.stats.num_preemptions += len(plan.preempted)
         if self._overlaps(plan):
@@ -341,7 +351,10 @@ class Engine:
         greedy = token if req.sampling.plain_greedy() else None
         if hit is not None and greedy is not None:
             hit.greedy_token = greedy
-        self.kv.commit(req, row, greedy)
+        if row is not None and req.num_computed_tokens == len(req.token_ids) == req.num_prompt_tokens:
+            self.kv.defer_prompt_commit(req, row, greedy)  # NOTE: registered by flush_commits, after the token
+        else:
+            self.kv.commit(req, row, greedy)
         tokens = req.token_ids
         if len(tokens) == req.num_prompt_tokens:
             self.stats.num_cached_prompt_tokens += req.num_cached_tokens

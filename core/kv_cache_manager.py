@@ -64,6 +64,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.logits = LogitsCache(max_cached_logits if enable_caching else 0)
+        self._deferred: list[tuple[Request, torch.Tensor, int | None]] = []
+        """Prompts computed by the last pass whose commit waits for flush() (see defer_prompt_commit)."""
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -165,9 +167,33 @@ class KVCacheManager:
         just_prefilled = req.num_computed_tokens == len(req.token_ids) == req.num_prompt_tokens
         if last_logits is None or not just_prefilled:
             return
-        final_hash = self._final_hash(req)
-        if req.num_tokens % self.block_size:
-            req.tail_shared = self.pool.cache_block(req.block_ids[-1], final_hash)
+        self._cache_prompt_end(req, last_logits, greedy_token)
+
+    def defer_prompt_commit(self, req: Request, last_logits: torch.Tensor, greedy_token: int | None) -> None:
+        """commit() of a prompt the last pass has just computed, held until flush(): the caller sends the first
+        token first (registering a 1000-token prompt's blocks and caching its row took ~0.2 ms on the CPU VM).
+
+        Call it before the sampled token is appended. flush() must run before the next forward pass (last_logits
+        is a view of that pass's logits) and before the next scheduling round; free() runs it first, so no
+        block returns to the pool unregistered.
+        """
+        assert req.num_computed_tokens == len(req.token_ids) == req.num_prompt_tokens, "not a prompt just computed"
+        if self.enable_caching:
+            self._deferred.append((req, last_logits, greedy_token))
+
+    def flush(self) -> None:
+        """The deferred prompt commits, in order."""
+        deferred, self._deferred = self._deferred, []
+        for req, last_logits, greedy_token in deferred:
+            self.cache_full_blocks(req)
+            self._cache_prompt_end(req, last_logits, greedy_token)
+
+    def _cache_prompt_end(self, req: Request, last_logits: torch.Tensor, greedy_token: int | None) -> None:
+        """The prompt's last_logits row and its partial tail block, under the hash of the whole prompt."""
+        num_prompt = req.num_prompt_tokens
+        final_hash = self._final_hash(req, num_prompt)
+        if num_prompt % self.block_size:
+            req.tail_shared = self.pool.cache_block(req.block_ids[(num_prompt - 1) // self.block_size], final_hash)
         self.logits.put(final_hash, last_logits, greedy_token)
 
     def cache_full_blocks(self, req: Request) -> None:
@@ -186,6 +212,8 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         """Release req's blocks, tail first, so a shared prefix outlives its private suffix in the LRU."""
+        if self._deferred:
+            self.flush()
         self.pool.free(req.block_ids[::-1])
         req.block_ids.clear()
         req.blocks_epoch += 1
@@ -205,10 +233,13 @@ class KVCacheManager:
             hashes.extend(hash_full_blocks(req.tokens(start * bs, end * bs), bs, hashes[-1] if hashes else None))
         return hashes
 
-    def _final_hash(self, req: Request) -> int:
-        """Hash of all of req's tokens: the last full block's hash, or the partial tail chained on it."""
-        hashes, num_full = self._extend_hashes(req), req.num_tokens // self.block_size
-        if req.num_tokens % self.block_size == 0:
+    def _final_hash(self, req: Request, num_tokens: int | None = None) -> int:
+        """Hash of req's first num_tokens tokens (default: all): the last full block's hash, or the partial tail
+        chained on it."""
+        n = req.num_tokens if num_tokens is None else num_tokens
+        num_full = n // self.block_size
+        hashes = self._extend_hashes(req, num_full)
+        if n % self.block_size == 0:
             return hashes[num_full - 1]
         parent = hashes[num_full - 1] if num_full else None
-        return hash_block_tokens(parent, req.token_ids[num_full * self.block_size :])
+        return hash_block_tokens(parent, req.tokens(num_full * self.block_size, n))

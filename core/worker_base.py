@@ -212,6 +212,7 @@ class WorkerBase:
             if self.engine.has_unfinished():
                 self._last_work = time.monotonic()
                 produced = self.step_engine()
+                self.engine.flush_commits()  # NOTE: after the outputs went out (see Engine.flush_commits)
                 self.step_timer.mark(produced and self.engine.has_unfinished())
             self.after_step()
             self.kv_events.publish(self.engine.pool)

@@ -172,6 +172,7 @@ class PrefillWorker(WorkerBase):
         # NOTE: every first token goes out before any handoff is built: a burst of hits in one step must not
         # wait on the handoffs (a 1000-token HandoffCmd to encode and send) of the requests before it.
         sent = [(out, self._first_token(out)) for out in outputs]
+        self.engine.flush_commits()  # NOTE: the prompts' blocks and rows enter the prefix cache after their tokens left
         for out, (cmd, timings) in sent:
             if not out.finished:
                 self._hand_off(out, cmd, timings)

@@ -160,3 +160,45 @@ def test_cache_off_never_reuses(tiny_llama_dir: Path, reference: Engine) -> None
     reference.generate([prompt], GREEDY)
     assert reference.stats.num_prefill_tokens_computed - before == len(prompt)
     assert reference.pool.num_cached_blocks == 0
+
+
+def test_a_prompt_enters_the_cache_after_its_first_token_is_returned(tiny_llama_dir: Path, reference: Engine) -> None:
+    (prompt,) = random_prompts(1024, (3 * BS + 5,), seed=11)
+    engine = engine_for(tiny_llama_dir)
+    engine.add_request("a", prompt, GREEDY)
+    (first,) = engine.step()
+    assert first.new_token_ids and engine.pool.num_cached_blocks == 0  # the token left before registration
+    engine.flush_commits()
+    assert engine.pool.num_cached_blocks == 4  # 3 full blocks and the partial tail
+    assert engine.kv.logits.get(engine.kv._final_hash(engine.requests["a"], len(prompt))) is not None
+    engine.add_request("b", prompt, GREEDY)
+    got = {"a": list(first.new_token_ids)}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert got["a"] == got["b"] == uncached(reference, [prompt])[0]
+    assert engine.stats.num_full_hits == 1
+
+
+def test_the_next_step_or_a_free_registers_a_prompt_not_yet_flushed(tiny_llama_dir: Path) -> None:
+    (prompt,) = random_prompts(1024, (2 * BS + 3,), seed=12)
+    engine = engine_for(tiny_llama_dir)
+    engine.add_request("a", prompt, GREEDY)
+    engine.step()
+    engine.add_request("b", prompt, GREEDY)
+    engine.step()  # flushes a's prompt first: b is a whole-prompt hit, no forward pass for it
+    assert engine.stats.num_full_hits == 1
+    engine.add_request("c", prompt[: 2 * BS] + [7, 7, 7], GREEDY)
+    engine.step()
+    engine.abort("c")  # freed before any flush: its blocks are registered first, so they stay findable
+    assert engine.kv._final_hash(engine.requests["a"], 2 * BS) in engine.pool.cached_hashes()
+    assert engine.pool.num_cached_blocks == 2 + 1 + 1  # the shared full blocks, a's tail and c's tail
+
+
+def test_a_deferred_commit_needs_the_prompt_just_computed(tiny_llama_dir: Path) -> None:
+    (prompt,) = random_prompts(1024, (BS + 1,), seed=13)
+    engine = engine_for(tiny_llama_dir)
+    engine.add_request("a", prompt, GREEDY)
+    engine.step()
+    with pytest.raises(AssertionError):  # a's first token is appended: not its prompt's state any more
+        engine.kv.defer_prompt_commit(engine.requests["a"], torch.zeros(8), None)
