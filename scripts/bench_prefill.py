@@ -114,7 +114,8 @@ def print_host_timeline(fn, calls: int = 20) -> None:  # type: ignore[no-untyped
     before the first kernel and after the last one goes (no profiler: its own overhead would blur them)."""
     import importlib
 
-    t0, seen = [0], {}
+    t0 = [0]
+    seen: dict[str, list[tuple[float, float]]] = {}
     originals = []
     for where, names in TIMELINE_STEPS.items():
         module, cls_name = where.split(":")

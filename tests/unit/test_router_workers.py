@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from core.messages import HeartbeatEvent, KvSnapshotEvent, Sampling
@@ -149,11 +150,11 @@ def test_colocated_cluster_needs_no_prefill_worker() -> None:
 
 def test_request_table_counts_requests_per_worker() -> None:
     table = RequestTable()
-    a, b = (table.open(rid, [1, 2], Sampling(), 0.0) for rid in ("a", "b"))
+    a, b = (table.open(rid, np.array([1, 2]), Sampling(), 0.0) for rid in ("a", "b"))
     table.place(a, 0, 1, prefill_tokens=2, reserved_blocks=3)
     table.place(b, 0, 0, prefill_tokens=2, reserved_blocks=5)
     with pytest.raises(DuplicateRequestError):
-        table.open("a", [1], Sampling(), 0.0)
+        table.open("a", np.array([1]), Sampling(), 0.0)
     assert (table.num_at_prefill[0], table.num_at_decode[1], table.reserved_at_decode[1]) == (2, 1, 3)
     table.mark_past_prefill(a)
     assert table.awaiting_prefill(0) == [a, b] and table.at_decode(1) == [a]
