@@ -38,8 +38,6 @@ log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
 PENDING_POLL_MS = 1
 """Poll timeout of an idle loop while has_pending_work(): short, so that work is not held up a heartbeat."""
-CUDA_BUSY_POLL_S = 1.0
-"""Default busy-poll window of a CUDA worker (see WorkerBase.busy_poll_s); CPU workers default to none."""
 
 
 RESTARTS_ENV = "PDSERVE_RESTARTS"

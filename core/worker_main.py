@@ -8,19 +8,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from core.busy_poll import busy_poll_seconds
 from core.cli import add_cluster_args, add_engine_args, engine_config_from_args
 from core.config import EngineConfig
-from core.worker_base import CUDA_BUSY_POLL_S, WorkerBase
+from core.worker_base import WorkerBase
 
 WorkerFactory = Callable[[EngineConfig, argparse.Namespace], WorkerBase]
-
-
-def busy_poll_seconds(busy_poll_ms: float | None, device: str) -> float:
-    """--busy-poll-ms in seconds; unset: CUDA_BUSY_POLL_S for a CUDA worker (a GPU host has cores to spare),
-    none for a CPU one (its cores run the model)."""
-    if busy_poll_ms is not None:
-        return max(busy_poll_ms, 0.0) / 1e3
-    return CUDA_BUSY_POLL_S if device.startswith("cuda") else 0.0
 
 
 def main(role: str, factory: WorkerFactory, argv: list[str] | None = None) -> int:

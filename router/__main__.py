@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics-port", type=int, default=None, help="Prometheus metrics on 127.0.0.1:PORT (0: any free port)"
     )
+    p.add_argument(
+        "--busy-poll-ms", type=float, default=0.0, help="after request activity, poll without sleeping this long"
+    )
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     return p
 
@@ -76,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
         max_migrations=args.max_migrations,
         max_queued=args.max_queued,
         metrics_port=args.metrics_port,
+        busy_poll_s=max(args.busy_poll_ms, 0.0) / 1e3,
     )
 
 

@@ -43,6 +43,9 @@ class RouterConfig:
     """Prometheus metrics on 127.0.0.1:metrics_port (0: any free port; the port goes to run_dir/metrics/)."""
     max_queued: int = 1024
     """Requests that may wait for KV room (router/admission.py); one more is refused RESOURCE_EXHAUSTED."""
+    busy_poll_s: float = 0.0
+    """After a request's arrival or a token, the event loop polls without blocking this long (router/busy_poll.py);
+    0: never (the default of CPU clusters)."""
     max_migrations: int = 2
     """Times a request whose worker was lost is sent again (prompt + tokens so far) to other workers; 0: it
     fails UNAVAILABLE instead."""

@@ -50,6 +50,7 @@ from core.messages import (
     pack_token_ids,
 )
 from router.admission import AdmissionQueue, NoRoomError, blocks_needed
+from router.busy_poll import BusyPoll
 from router.config import RouterConfig
 from router.dispatch import COLOCATED, Assignment, ClusterView, Dispatcher, NoWorkerError
 from router.prefix_index import PrefixIndex, WorkerKey
@@ -183,6 +184,7 @@ class WorkerHub:
         self._snapshot_asked: dict[WorkerKey, float] = {}  # when each out-of-sync worker was last asked
         self.table = RequestTable()
         self.admission = AdmissionQueue(cfg.max_queued)
+        self.busy_poll = BusyPoll(cfg.busy_poll_s)
         self.num_migrations = 0
         self.serving = asyncio.Event()
         self.listeners: list[Callable[[bool], None]] = []
@@ -191,7 +193,7 @@ class WorkerHub:
 
     # --- lifecycle ------------------------------------------------------------------------------------
     def start(self) -> None:
-        receivers = [self._receive(), self._receive_kv_events(), self._watch()]
+        receivers = [self._receive(), self._receive_kv_events(), self._watch(), self.busy_poll.run()]
         self._tasks = [asyncio.create_task(coro) for coro in receivers]
 
     async def close(self) -> None:
@@ -209,6 +211,7 @@ class WorkerHub:
     async def admit(self, request_id: str, token_ids: np.ndarray, sampling: Sampling, arrival: float) -> TrackedRequest:
         """submit() once a decode worker has KV room for the request, waiting in the admission queue (FIFO)
         until then; QueueFullError when the queue is full, DuplicateRequestError / NoWorkerError as submit."""
+        self.busy_poll.touch()
         if request_id in self.table:
             raise DuplicateRequestError(request_id)
         at_head = False
@@ -358,6 +361,7 @@ class WorkerHub:
             log.warning("router ignores %s", type(msg).__name__)
 
     def _deliver(self, msg: TokenEvent | RequestErrorEvent) -> None:
+        self.busy_poll.touch()
         req = self.table.by_worker(msg.request_id)
         if req is None:  # NOTE: also what a lost attempt's workers still send
             log.debug("dropped %s for unknown request %s", type(msg).__name__, msg.request_id)

@@ -29,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.ipc import TOPOLOGY_FILE, Topology  # noqa: E402 - run as a script: the repo root first
+from core.busy_poll import busy_poll_seconds  # noqa: E402 - run as a script: the repo root first
+from core.ipc import TOPOLOGY_FILE, Topology  # noqa: E402
 
 READY_MARK = "pdserve router ready on"
 MAX_BACKOFF_S = 10.0
@@ -87,7 +88,9 @@ def build_children(args: argparse.Namespace, run_dir: Path, extra: list[str]) ->
     py = sys.executable
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    busy_poll_ms = busy_poll_seconds(args.busy_poll_ms, args.device) * 1e3
     common = ["--model", args.model, "--run-dir", str(run_dir), "--log-level", args.log_level]
+    common += ["--busy-poll-ms", f"{busy_poll_ms:g}"]
     worker = [*common, "--device", args.device, "--transport", args.transport, "--block-size", str(args.block_size)]
     worker += extra
     worker += ["--num-prefill", str(args.prefill), "--num-decode", str(args.decode)]
@@ -349,6 +352,12 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         type=str.upper,
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         help="every process; WARNING drops the per-request lines",
+    )
+    p.add_argument(
+        "--busy-poll-ms",
+        type=float,
+        default=None,
+        help="every process: after work, poll without sleeping this long (default: 1000 on CUDA, 0 on CPU)",
     )
     _add_router_args(p)
     _add_placement_args(p)

@@ -73,10 +73,11 @@ async def send_one(
     times: list[float] = []
     counts: list[int] = []
     last: pb.GenerateResponse | None = None
+    request = build_request(spec, config)  # NOTE: before the clock starts, as vLLM's clients build their payload
     send = clock.now()
     error: str | None = None
     try:
-        async for response in stub.Generate(build_request(spec, config)):
+        async for response in stub.Generate(request):
             times.append(clock.now())
             counts.append(len(response.token_ids))
             last = response

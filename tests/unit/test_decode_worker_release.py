@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from core import ipc
+from core.busy_poll import busy_poll_seconds
 from core.config import CacheConfig, EngineConfig, ModelConfig
 from core.messages import (
     AbortCmd,
@@ -32,7 +33,6 @@ from core.messages import (
     pack_token_ids,
 )
 from core.worker_base import PENDING_POLL_MS
-from core.worker_main import busy_poll_seconds
 from decode_worker.worker import DecodeWorker
 from kvtransfer.base import KVTransferError, PullHandle, make_source
 from kvtransfer.pool import allocate_kv_pool

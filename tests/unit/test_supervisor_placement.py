@@ -3,6 +3,8 @@ the decode workers seeing the prefill GPUs they copy from, MPS only where roles 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.unit.test_supervisor_ready import _supervisor
@@ -31,3 +33,15 @@ def test_roles_on_one_gpu_share_it_and_one_list_serves_both() -> None:
 def test_an_empty_gpu_list_is_refused(spec: str) -> None:
     with pytest.raises(ValueError, match="no GPU"):
         _supervisor().gpu_lists(spec)
+
+
+@pytest.mark.parametrize(
+    ("flags", "window_ms"), [(["--device", "cuda"], "1000"), ([], "0"), (["--busy-poll-ms", "5"], "5")]
+)
+def test_every_process_gets_the_same_busy_poll_window(flags: list[str], window_ms: str, tmp_path: Path) -> None:
+    sup = _supervisor()
+    args, extra = sup.parse_args(["--model", "m", *flags])
+    children = sup.build_children(args, tmp_path, extra)
+    assert [c.name for c in children] == ["router", "prefill-0", "decode-0"]
+    for child in children:
+        assert child.argv[child.argv.index("--busy-poll-ms") + 1] == window_ms
