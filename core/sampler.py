@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 
 from core.sampling_params import SamplingParams
+from kernels.argmax import argmax
 
 FinishReason = Literal["stop", "length"]
 
@@ -102,14 +103,14 @@ class Sampler:
         logits.device. Does not modify logits or states (the caller calls check_stop after)."""
         self._check_inputs(logits, states)
         if all(s.plain_greedy() for s in states):
-            return logits.argmax(dim=-1)  # [batch]
+            return argmax(logits)  # [batch]
         needs_mask = any(s.needs_stop_mask() for s in states)
         all_greedy = all(s.params.greedy for s in states)
         x = logits.float()  # [batch, vocab]
         if needs_mask:
             x = self._mask_stop_ids(x, states)
         if all_greedy:
-            return x.argmax(dim=-1)
+            return argmax(x)
         return self._sample_mixed(x, states)
 
     def _check_inputs(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
@@ -139,7 +140,7 @@ class Sampler:
         rand = [i for i, s in enumerate(states) if not s.params.greedy]
         if greedy:
             g = torch.tensor(greedy, device=x.device)
-            out[g] = x[g].argmax(dim=-1)
+            out[g] = argmax(x[g])
         r = torch.tensor(rand, device=x.device)
         out[r] = self._sample_random(x[r], [states[i] for i in rand])
         return out
@@ -152,7 +153,7 @@ class Sampler:
         probs = torch.softmax(x, dim=-1)  # [n, vocab]
         q = self._draw_noise(states, x.shape[1])  # [n, vocab]
         # Exponential race: argmax(p_i / q_i) with q_i ~ Exp(1) picks token i with probability p_i.
-        return (probs / q).argmax(dim=-1)
+        return argmax(probs / q)
 
     def _draw_noise(self, states: Sequence[SamplingState], vocab: int) -> torch.Tensor:
         """Exp(1) noise [n, vocab]: per-row seeded generators for seeded rows, the shared one otherwise."""
