@@ -18,7 +18,6 @@ from core.request import Request
 from core.sampler import SamplingState
 from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledChunk, StepPlan
-from kernels.argmax import argmax
 from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, TorchAttention
 from kernels.pass_inputs import token_positions_slots
 
@@ -166,9 +165,9 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self, lengths: tuple[int, ...] = WARMUP_LENGTHS) -> None:
         """Compile the Triton kernels of prefill passes before serving: passes of each prompt length, graphed
-        and eager, on the null block 0 (whose contents nothing reads), and the greedy sampler's argmax. Without
-        it requests pay the JIT: 0.3-1 s per kernel variant, during which every stream of the worker stalls
-        (kernels/jit_watch.py counts the variants compiled after the warm-up).
+        and eager, on the null block 0 (whose contents nothing reads). Without it requests pay the JIT: 0.3-1 s
+        per kernel variant, during which every stream of the worker stalls (kernels/jit_watch.py counts the
+        variants compiled after the warm-up).
         """
         bs, max_len = self.cfg.cache.block_size, self.cfg.model.max_model_len - 1
 
@@ -182,7 +181,6 @@ class ModelRunner:
                 self.execute(StepPlan(chunks=[chunk(n) for _ in range(num_seqs)]))
         self.num_forward_calls = self.num_forward_tokens = 0
         if self.device.type == "cuda":
-            argmax(torch.zeros(1, self.cfg.model.vocab_size, device=self.device))  # the greedy sampler's kernel
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()

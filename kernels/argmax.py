@@ -35,7 +35,7 @@ ROW_COUNTERS: dict[torch.device, Tensor] = {}
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["vocab", "num_chunks", "stride_x"])  # NOTE: one variant per dtype (jit_watch)
+    @triton.jit
     def _argmax_kernel(
         x_ptr,  # [rows, vocab]
         part_val_ptr,  # [rows, num_chunks] fp32
@@ -83,12 +83,9 @@ def argmax_triton(x: Tensor) -> Tensor:  # x: [rows, vocab] float (any dtype) ->
         return out
     assert vocab > 0, "an empty vocabulary has no argmax"
     num_chunks = triton.cdiv(vocab, CHUNK)
-    # NOTE: separate buffers: a pointer's 16-byte alignment is part of the kernel's variant, and an offset
-    # into one buffer would change it with the row count
-    part_val = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
-    part_idx = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
+    parts = torch.empty(2, rows, num_chunks, dtype=torch.int32, device=x.device)  # [values as fp32; indexes]
     _argmax_kernel[(rows, num_chunks)](
-        x, part_val, part_idx, _counters(x.device, rows), out, vocab, num_chunks, x.stride(0),
+        x, parts[0].view(torch.float32), parts[1], _counters(x.device, rows), out, vocab, num_chunks, x.stride(0),
         CHUNK=CHUNK, NUM_CHUNKS_POW2=triton.next_power_of_2(num_chunks),
     )  # fmt: skip
     return out
