@@ -16,7 +16,6 @@ from typing import Literal
 import torch
 
 from core.sampling_params import SamplingParams
-from kernels.argmax import argmax
 
 FinishReason = Literal["stop", "length"]
 
@@ -103,14 +102,14 @@ class Sampler:
         logits.device. Does not modify logits or states (the caller calls check_stop after)."""
         self._check_inputs(logits, states)
         if all(s.plain_greedy() for s in states):
-            return argmax(logits)  # [batch]
+            return logits.argmax(dim=-1)  # [batch]
         needs_mask = any(s.needs_stop_mask() for s in states)
         all_greedy = all(s.params.greedy for s in states)
         x = logits.float()  # [batch, vocab]
         if needs_mask:
             x = self._mask_stop_ids(x, states)
         if all_greedy:
-            return argmax(x)
+            return x.argmax(dim=-1)
         return self._sample_mixed(x, states)
 
     def _check_inputs(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
@@ -140,7 +139,7 @@ class Sampler:
         rand = [i for i, s in enumerate(states) if not s.params.greedy]
         if greedy:
             g = torch.tensor(greedy, device=x.device)
-            out[g] = argmax(x[g])
+            out[g] = x[g].argmax(dim=-1)
         r = torch.tensor(rand, device=x.device)
         out[r] = self._sample_random(x[r], [states[i] for i in rand])
         return out
@@ -153,7 +152,7 @@ class Sampler:
         probs = torch.softmax(x, dim=-1)  # [n, vocab]
         q = self._draw_noise(states, x.shape[1])  # [n, vocab]
         # Exponential race: argmax(p_i / q_i) with q_i ~ Exp(1) picks token i with probability p_i.
-        return argmax(probs / q)
+        return (probs / q).argmax(dim=-1)
 
     def _draw_noise(self, states: Sequence[SamplingState], vocab: int) -> torch.Tensor:
         """Exp(1) noise [n, vocab]: per-row seeded generators for seeded rows, the shared one otherwise."""
