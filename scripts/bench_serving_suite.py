@@ -174,7 +174,7 @@ def shared_prefix_runs(label: str) -> list[tuple[str, list[str]]]:
 
 
 EXACT = ["--dataset", "shared-prefix", "--num-groups", "1", "--prefix-len", EXACT_PREFIX, "--suffix-len", "0"]
-EXACT += ["--output-len", "1", "--num-prompts", "50", "--max-concurrency", "1"]
+EXACT += ["--output-len", "1", "--num-prompts", "200", "--max-concurrency", "1"]
 
 
 def part_shared(model: Path, out: Path) -> None:
