@@ -1,4 +1,4 @@
-"""router.workers.Liveness and router.dispatch: who is up, and which worker gets the next request."""
+"""router.liveness.Liveness and router.dispatch: who is up, and which worker gets the next request."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 from core.messages import HeartbeatEvent, KvSnapshotEvent, Sampling
 from router.config import RouterConfig
 from router.dispatch import COLOCATED, Assignment, ClusterView, Dispatcher, NoWorkerError, choose_decode
+from router.liveness import Change, LayoutMismatch, Liveness
 from router.prefix_index import PrefixIndex, prompt_block_hashes
 from router.requests import DuplicateRequestError, RequestTable
 from router.routing import PrefillLoad
-from router.workers import Change, LayoutMismatch, Liveness
 
 
 def hb(role: str, worker: int, incarnation: str = "a", free: int = 10) -> HeartbeatEvent:
