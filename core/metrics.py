@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from core.gc_pauses import GENERATIONS
 from core.messages import HeartbeatEvent
 
 HANDOFF_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -61,6 +62,27 @@ class WorkerCollector(Collector):
                 c = CounterMetricFamily(name, help_text, labels=["role", "worker"])
                 c.add_metric(labels, hb.counters[key])
                 yield c
+        yield from gc_metrics(hb.counters, ["role", "worker"], labels)
+
+
+def gc_metrics(
+    counters: dict[str, int], label_names: list[str], labels: list[str]
+) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    """The garbage collector's passes and pauses (core/gc_pauses.py GcPauses.counters), if counted."""
+    if "gc_pause_us_gen2" not in counters:
+        return
+    passes = CounterMetricFamily(
+        "pdserve_gc_collections", "Garbage-collector passes, by generation.", labels=[*label_names, "generation"]
+    )
+    for gen in GENERATIONS:
+        passes.add_metric([*labels, str(gen)], counters[f"gc_collections_gen{gen}"])
+    yield passes
+    full = CounterMetricFamily("pdserve_gc_full_pause_seconds", "Time stopped in full collections.", labels=label_names)
+    full.add_metric(labels, counters["gc_pause_us_gen2"] / 1e6)
+    yield full
+    longest = GaugeMetricFamily("pdserve_gc_pause_max_seconds", "Longest collector pass so far.", labels=label_names)
+    longest.add_metric(labels, counters["gc_pause_us_max"] / 1e6)
+    yield longest
 
 
 def _gauge(name: str, help_text: str, labels: list[str], value: float) -> GaugeMetricFamily:

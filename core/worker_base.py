@@ -18,6 +18,7 @@ import zmq
 from core import ipc
 from core.engine import Engine
 from core.errors import InvalidRequestError
+from core.gc_pauses import GcPauses, freeze_startup_heap
 from core.kv_events import KvEventPublisher, KvOrigin
 from core.messages import (
     GenerateCmd,
@@ -86,6 +87,7 @@ class WorkerBase:
         self.step_timer = StepTimer()
         self.jit_watch = JitWatch()
         self.jit_watch.install()  # NOTE: before the subclass's warm-up, whose compiles are the expected ones
+        self.gc_pauses = GcPauses()
         restarts = int(os.environ.get(RESTARTS_ENV, "0") or 0)
         self.metrics = WorkerMetrics(self.role, worker_id, self.heartbeat_event, restarts)
 
@@ -141,6 +143,7 @@ class WorkerBase:
             "cached_blocks": self.engine.pool.num_cached_blocks,
             "jit_compiles_serving": self.jit_watch.num_compiles_serving,
             **self.step_timer.counters(),
+            **self.gc_pauses.counters(),
         }
 
     def heartbeat_event(self) -> HeartbeatEvent:
@@ -196,6 +199,7 @@ class WorkerBase:
         log.info("%s worker %d ready (pid %d)", self.role, self.worker_id, os.getpid())
         self.kv_events = self._bind_kv_events()
         self.jit_watch.mark_served()
+        log.info("froze %d startup objects out of the garbage collector's scans", freeze_startup_heap(self.gc_pauses))
         self._heartbeat_thread.start()
         while not self._stopping:
             ready = self.poller.poll(self._poll_timeout_ms())
@@ -240,6 +244,8 @@ class WorkerBase:
 
     def close(self) -> None:
         self.jit_watch.uninstall()
+        log.info("garbage collector: %s", self.gc_pauses.summary())
+        self.gc_pauses.close()
         self._heartbeat_stop.set()
         if self._heartbeat_thread.is_alive():
             self._heartbeat_thread.join(timeout=2.0)

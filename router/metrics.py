@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from core.metrics import serve_registry
+from core.gc_pauses import GcPauses
+from core.metrics import gc_metrics, serve_registry
 from router.workers import WorkerHub
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -25,10 +26,11 @@ ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.0
 
 
 class HubCollector(Collector):
-    """What the WorkerHub knows at scrape time."""
+    """What the WorkerHub knows at scrape time, and the router's garbage-collector passes."""
 
-    def __init__(self, hub: WorkerHub) -> None:
+    def __init__(self, hub: WorkerHub, gc_pauses: GcPauses) -> None:
         self.hub = hub
+        self.gc_pauses = gc_pauses
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         hub = self.hub
@@ -44,14 +46,15 @@ class HubCollector(Collector):
             "pdserve_request_migrations", "Requests resumed on other workers after a worker loss.",
             value=hub.num_migrations,
         )  # fmt: skip
+        yield from gc_metrics(self.gc_pauses.counters(), [], [])
 
 
 class RouterMetrics:
     """The router's registry: histograms and counters the servicer observes, the hub's gauges."""
 
-    def __init__(self, hub: WorkerHub) -> None:
+    def __init__(self, hub: WorkerHub, gc_pauses: GcPauses) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(HubCollector(hub))
+        self.registry.register(HubCollector(hub, gc_pauses))
         r = self.registry
         self.ttft = Histogram(
             "pdserve_time_to_first_token_seconds", "Arrival to the first token leaving the router.",

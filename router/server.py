@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from core.gc_pauses import GcPauses, freeze_startup_heap
 from core.messages import MAX_MESSAGE_BYTES, RequestErrorEvent
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -187,7 +188,8 @@ class RouterServer:
         self.hub = WorkerHub(cfg)
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *PENDING_CALL_LIMITS]
         self.server = grpc.aio.server(options=options)
-        self.metrics = RouterMetrics(self.hub)
+        self.gc_pauses = GcPauses()
+        self.metrics = RouterMetrics(self.hub, self.gc_pauses)
         servicer = GenerationServicer(model, tokenizer, self.hub, cfg.block_size, cfg.max_migrations, self.metrics)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
         self.health = health.aio.HealthServicer()
@@ -210,6 +212,7 @@ class RouterServer:
         if self.cfg.metrics_port is not None:
             port = self.metrics.serve(self.cfg.metrics_port, Path(self.cfg.run_dir) / "metrics" / "router.port")
             log.info("metrics on http://127.0.0.1:%d/metrics", port)
+        log.info("froze %d startup objects out of the garbage collector's scans", freeze_startup_heap(self.gc_pauses))
         return self.port
 
     @property
@@ -229,6 +232,8 @@ class RouterServer:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
         await self.hub.close()
+        log.info("garbage collector: %s", self.gc_pauses.summary())
+        self.gc_pauses.close()
 
     def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import grpc
 from tqdm import tqdm
 
+from core.gc_pauses import freeze_startup_heap
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.benchmark.datasets import ClosedLoop, RequestSpec, Workload
@@ -145,6 +146,7 @@ async def run_workload(workload: Workload, config: RunConfig, t0: float | None =
     async with grpc.aio.insecure_channel(config.address) as channel:
         await asyncio.wait_for(channel.channel_ready(), config.ready_timeout_s)
         stub = pb_grpc.GenerationStub(channel)
+        freeze_startup_heap()  # NOTE: the workload's prompts and the client's set-up never need scanning again
         clock = _Clock(t0)
         await asyncio.sleep(max(0.0, -clock.now()))
         tasks = []
