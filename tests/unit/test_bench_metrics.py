@@ -155,6 +155,18 @@ def test_long_prompt_workload_poisson_longs_and_closed_loop_shorts() -> None:
     assert short == w.closed_loop.spec(3) and short != w.closed_loop.spec(4)
 
 
+def test_allowed_ids_are_made_once_per_vocabulary_and_read_only() -> None:
+    """The closed loop draws a prompt per request inside the client's event loop: the allowed-id table (a
+    setdiff1d over the vocabulary) must not be rebuilt each time (it stalled every stream of the process)."""
+    big = ds.VocabInfo(128256, (128001, 128009))
+    first = big.allowed_ids()
+    assert big.allowed_ids() is first and ds.VocabInfo(128256, (128001, 128009)).allowed_ids() is first
+    assert len(first) == 128254 and 128001 not in first and not first.flags.writeable
+    loop = ds.ClosedLoop(4, 1.0, 32, 8, big, seed=3)
+    assert loop.spec(5) == loop.spec(5) and loop.spec(5) != loop.spec(6)
+    assert all(0 <= i < 128256 and i not in (128001, 128009) for i in loop.spec(7).prompt_ids)
+
+
 def test_duplicate_dataset_alternates_text_and_equal_ids(tiny_llama_dir: Path) -> None:
     tokenizer = RouterTokenizer.from_dir(tiny_llama_dir)
     specs = ds.duplicate_dataset(tokenizer, TINY_LLAMA_VOCAB_SIZE, 3, 4, (5, 12), (8, 8), seed=6)
