@@ -81,7 +81,7 @@ class WorkerHub:
         self._snapshot_asked: dict[WorkerKey, float] = {}  # when each out-of-sync worker was last asked
         self.table = RequestTable()
         self.admission = AdmissionQueue(cfg.max_queued)
-        self.busy_poll = BusyPoll(cfg.busy_poll_s)
+        self.busy_poll = BusyPoll(cfg.busy_poll_s, lambda: len(self.table))
         self.num_migrations = 0
         self.serving = asyncio.Event()
         self.listeners: list[Callable[[bool], None]] = []

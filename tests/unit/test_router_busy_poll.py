@@ -64,3 +64,18 @@ def test_a_zero_window_never_spins(spins: list[int]) -> None:
         return await _spins_during(BusyPoll(0.0), spins, touch=True, wait_s=0.05)
 
     assert asyncio.run(main()) == 0
+
+
+def test_many_requests_in_flight_stop_the_spinning(spins: list[int]) -> None:
+    """Past MAX_IN_FLIGHT the loop is busy anyway, and spinning would keep the GIL from gRPC's poller thread."""
+    in_flight = [busy_poll.MAX_IN_FLIGHT + 1]
+
+    async def main() -> tuple[int, int]:
+        poll = BusyPoll(0.05, lambda: in_flight[0])
+        busy = await _spins_during(poll, spins, touch=True, wait_s=0.05)
+        in_flight[0] = 1
+        light = await _spins_during(poll, spins, touch=True, wait_s=0.05)
+        return busy, light
+
+    busy, light = asyncio.run(main())
+    assert busy == 0 and light > 50
