@@ -287,8 +287,8 @@ HEADLINE = {
     "routing": tuple(f"routing-{load}-{p}" for load in ("shared", "burst") for p in ("prefix", "round_robin")),
     "conditional": ("conditional-on", "conditional-off"),
 }
-KEYS = ("completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_itl_ms",
-        "output_throughput", "request_goodput")  # fmt: skip
+KEYS = ("completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_ttft_outside_ms", "median_tpot_ms",
+        "median_itl_ms", "p99_itl_ms", "output_throughput", "request_goodput")  # fmt: skip
 
 
 def gpu_name() -> str:

@@ -3,6 +3,11 @@
 TTFT = first response - send; E2EL = last response - send; TPOT = (E2EL - TTFT) / (output_tokens - 1) for requests
 with more than one output token; ITL = gaps between consecutive responses of a request, pooled over requests.
 Failed requests are counted and left out of every latency and token figure.
+
+Beyond vLLM's: `ttft_outside` = TTFT minus the server's own arrival -> first token (timings.first_token_ms, the
+router's handler start to the token leaving the prefill worker), i.e. the gRPC call's way in plus the first token's
+way back through the router to the client: where a front end that falls behind shows (requests without server
+timings are left out).
 """
 
 from __future__ import annotations
@@ -71,6 +76,12 @@ class RequestRecord:
     def tpot(self) -> float | None:
         n = self.output_tokens
         return (self.e2el - self.ttft) / (n - 1) if n > 1 else None
+
+    @property
+    def ttft_outside(self) -> float | None:
+        """TTFT minus the server's arrival -> first token (seconds); None without server timings."""
+        server_ms = self.server_timings.get("first_token_ms", 0.0)
+        return self.ttft - server_ms / 1e3 if server_ms > 0 else None
 
     @property
     def itls(self) -> list[float]:
@@ -155,6 +166,7 @@ def compute_metrics(
     out.update(summarize("tpot", [t for r in done if (t := r.tpot) is not None], percentiles))
     out.update(summarize("itl", [g for r in done for g in r.itls], percentiles))
     out.update(summarize("e2el", [r.e2el for r in done], percentiles))
+    out.update(summarize("ttft_outside", [t for r in done if (t := r.ttft_outside) is not None], percentiles))
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 
@@ -66,6 +67,18 @@ def test_compute_metrics_exact_values() -> None:
     }  # fmt: skip
     for key, value in expected.items():
         assert m[key] == pytest.approx(value), key
+
+
+def test_ttft_outside_the_server_subtracts_its_arrival_to_first_token() -> None:
+    """TTFT minus timings.first_token_ms: the call's way in plus the first token's way back to the client."""
+    r0, r1, r2, failed = synthetic_records()
+    r0 = dataclasses.replace(r0, server_timings={"first_token_ms": 40.0})  # TTFT 100 ms -> 60 outside
+    r1 = dataclasses.replace(r1, server_timings={"first_token_ms": 150.0})  # TTFT 200 ms -> 50 outside
+    assert r0.ttft_outside == pytest.approx(0.06) and r1.ttft_outside == pytest.approx(0.05)
+    assert r2.ttft_outside is None  # no server timings: left out, not counted as 0
+    m = compute_metrics([r0, r1, r2, failed], percentiles=[50])
+    assert m["mean_ttft_outside_ms"] == pytest.approx(55.0) and m["p50_ttft_outside_ms"] == pytest.approx(55.0)
+    assert compute_metrics([r2], percentiles=[50])["mean_ttft_outside_ms"] == 0.0
 
 
 def test_failed_requests_do_not_change_latency_stats() -> None:
