@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Host latency floors under pdserve's exact-hit TTFT, on this machine: a ZeroMQ ipc round trip between two
-processes (blocking poll vs spinning) and a Python grpc.aio Generate that answers at once (1000 token ids in, one
-response out), called like `pdserve-bench-serving` calls the router. Prints JSON.
+processes (blocking poll vs spinning), a Python grpc.aio Generate that answers at once (1000 token ids in, one
+response out), called like `pdserve-bench-serving` calls the router, and how long such a server takes to start a
+new call's handler while it streams to N other calls (one response per stream every TICK_MS, as a router relays a
+decode worker's steps): grpc.aio accepts calls one per event-loop turn. Prints JSON.
 
     python scripts/bench_host_floors.py
 """
@@ -31,7 +33,8 @@ PAUSE_S = 0.0005
 
 def percentiles_us(times: list[float]) -> dict[str, float]:
     times = sorted(times)
-    return {"p50_us": times[len(times) // 2] * 1e6, "p90_us": times[len(times) * 9 // 10] * 1e6}
+    q = {"p50_us": 0.5, "p90_us": 0.9, "p99_us": 0.99}
+    return {name: times[int(f * (len(times) - 1))] * 1e6 for name, f in q.items()}
 
 
 def echo(inbox: str, outbox: str, spin: bool) -> None:
@@ -113,11 +116,100 @@ def grpc_floor(port: int = 50097) -> dict[str, float]:
     return percentiles_us(times)
 
 
+TICK_MS = 2.0
+"""The streaming server's step: every stream gets one response per tick (a decode step of the 1B bench shape)."""
+STREAM_TOKENS = 256
+STREAM_SECONDS = 8.0
+
+
+class Ticking(pb_grpc.GenerationServicer):
+    """Every call streams max_tokens responses, one per tick; the first carries the handler's start time (perf_counter,
+    one clock for every process on the host) as its text."""
+
+    def __init__(self) -> None:
+        self.tick = asyncio.Condition()
+
+    async def ticker(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_MS / 1e3)
+            async with self.tick:
+                self.tick.notify_all()
+
+    async def Generate(  # noqa: N802 - the gRPC method's name
+        self, request: pb.GenerateRequest, context: object
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        started = time.perf_counter()
+        for i in range(request.sampling.max_tokens):
+            async with self.tick:
+                await self.tick.wait()
+            yield pb.GenerateResponse(token_ids=[i], text=repr(started) if i == 0 else " x")
+
+
+def serve_ticking(port: int) -> None:
+    import grpc
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        servicer = Ticking()
+        pb_grpc.add_GenerationServicer_to_server(servicer, server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        ticker = asyncio.create_task(servicer.ticker())
+        await server.wait_for_termination()
+        ticker.cancel()
+
+    asyncio.run(run())
+
+
+def _accept_client(port: int, streams: int) -> tuple[list[float], list[float]]:
+    """Closed-loop streams for STREAM_SECONDS: (call -> handler start, handler start -> first response) per call."""
+    import grpc
+
+    async def run() -> tuple[list[float], list[float]]:
+        accept: list[float] = []
+        first: list[float] = []
+        end = time.perf_counter() + STREAM_SECONDS
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            sampling = pb.SamplingParams(max_tokens=STREAM_TOKENS)
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(range(32))), sampling=sampling)
+
+            async def stream() -> None:
+                while time.perf_counter() < end:
+                    sent, seen = time.perf_counter(), False
+                    async for response in stub.Generate(request):
+                        if not seen:
+                            started = float(response.text)
+                            accept.append(started - sent)
+                            first.append(time.perf_counter() - started)
+                            seen = True
+
+            await asyncio.gather(*(stream() for _ in range(streams)))
+        return accept, first
+
+    return asyncio.run(run())
+
+
+def accept_under_streaming(streams: int, processes: int = 2, port: int = 50098) -> dict[str, dict[str, float]]:
+    """Call -> handler start and handler -> first response at the client, `streams` closed-loop streams."""
+    server = mp.Process(target=serve_ticking, args=(port,), daemon=True)
+    server.start()
+    time.sleep(2)
+    with mp.get_context("spawn").Pool(processes) as pool:
+        parts = pool.starmap(_accept_client, [(port, streams // processes)] * processes)
+    server.terminate()
+    accept = [t for a, _ in parts for t in a]
+    first = [t for _, f in parts for t in f]
+    return {"call_to_handler": percentiles_us(accept), "handler_to_first_response": percentiles_us(first)}
+
+
 def main() -> None:
     result = {
         "zmq_ipc_round_trip_blocking": zmq_round_trip(spin=False),
         "zmq_ipc_round_trip_spinning": zmq_round_trip(spin=True),
         "grpc_aio_generate_floor": grpc_floor(),
+        "grpc_aio_accept_16_streams": accept_under_streaming(16),
+        "grpc_aio_accept_64_streams": accept_under_streaming(64),
         "cpu": Path("/proc/cpuinfo").read_text().split("model name", 1)[-1].split("\n", 1)[0].strip(" :\t"),
         "num_cpus": os.cpu_count(),
     }
