@@ -385,7 +385,7 @@ class Engine:
             req.num_cached_tokens,
         )
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[int]]:
+    def generate(self, prompts: Sequence[TokenIds], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion; the generated token ids of each, in order."""
         ids = [f"gen-{len(self.requests)}-{i}-{id(prompts)}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts, strict=True):

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from core.engine import Engine
-from core.request import RequestStatus
+from core.messages import TokenIds
+from core.request import Request, RequestStatus
+from core.sampler import SamplingState
 from core.sampling_params import SamplingParams
+from core.scheduler import ids_key
 from tests.hf_reference import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -52,3 +56,25 @@ def test_a_held_copy_does_not_hold_up_the_requests_behind_it(tiny_llama_dir: Pat
     while engine.has_unfinished():
         engine.step()
     assert engine.stats.num_prefill_tokens_computed == len(a) + len(b) and engine.stats.num_full_hits == 1
+
+
+def test_copies_sent_as_arrays_or_lists_share_one_prefill(tiny_llama_dir: Path) -> None:
+    """The dedup key is the ids' int64 bytes: a prompt given as a list, an int64 array or an int32 array (a
+    worker's packed ids) is one key; a prompt one token shorter is another."""
+    (prompt,) = random_prompts(1024, (45,), seed=74)
+    engine = engine_for(tiny_llama_dir)
+    copies: list[TokenIds] = [prompt, np.asarray(prompt, np.int64), np.asarray(prompt, np.int32), prompt[:-1]]
+    got = engine.generate(copies, GREEDY)
+    want = hf_greedy(tiny_llama_dir, [prompt, prompt[:-1]], GREEDY.max_tokens)
+    assert got == [want[0]] * 3 + [want[1]]
+    assert engine.stats.num_full_hits == 2  # the two array copies; the shorter prompt is computed
+
+
+def test_the_key_is_the_token_ids_including_generated_ones() -> None:
+    state = SamplingState(GREEDY, (), 0)
+    a = Request("a", [5, 6, 7], 3, state, token_array=np.asarray([5, 6, 7], dtype=np.int64))
+    b = Request("b", [5, 6, 7], 3, state)  # no array: the list's values
+    assert ids_key(a) == ids_key(b) == np.asarray([5, 6, 7], dtype=np.int64).tobytes()
+    b.token_ids.append(8)  # a token past the array (a resumed request's outputs)
+    a2 = Request("a2", [5, 6, 7, 8], 3, state, token_array=np.asarray([5, 6, 7], dtype=np.int64))
+    assert ids_key(b) == ids_key(a2) != ids_key(a)
