@@ -79,15 +79,20 @@ class Immediate(pb_grpc.GenerationServicer):
         yield pb.GenerateResponse(token_ids=[1], text="x", finish_reason=pb.FINISH_REASON_LENGTH, usage=usage)
 
 
-def serve(port: int) -> None:
+def serve(port: int, ticking: bool = False) -> None:
+    """A grpc.aio server of Immediate, or of Ticking (with its ticker running)."""
     import grpc
 
     async def run() -> None:
         server = grpc.aio.server()
-        pb_grpc.add_GenerationServicer_to_server(Immediate(), server)
+        servicer = Ticking() if ticking else Immediate()
+        pb_grpc.add_GenerationServicer_to_server(servicer, server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
+        ticker = asyncio.create_task(servicer.ticker()) if isinstance(servicer, Ticking) else None
         await server.wait_for_termination()
+        if ticker is not None:
+            ticker.cancel()
 
     asyncio.run(run())
 
@@ -145,22 +150,6 @@ class Ticking(pb_grpc.GenerationServicer):
             yield pb.GenerateResponse(token_ids=[i], text=repr(started) if i == 0 else " x")
 
 
-def serve_ticking(port: int) -> None:
-    import grpc
-
-    async def run() -> None:
-        server = grpc.aio.server()
-        servicer = Ticking()
-        pb_grpc.add_GenerationServicer_to_server(servicer, server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        ticker = asyncio.create_task(servicer.ticker())
-        await server.wait_for_termination()
-        ticker.cancel()
-
-    asyncio.run(run())
-
-
 def _accept_client(port: int, streams: int) -> tuple[list[float], list[float]]:
     """Closed-loop streams for STREAM_SECONDS: (call -> handler start, handler start -> first response) per call."""
     import grpc
@@ -192,7 +181,7 @@ def _accept_client(port: int, streams: int) -> tuple[list[float], list[float]]:
 
 def accept_under_streaming(streams: int, processes: int = 2, port: int = 50098) -> dict[str, dict[str, float]]:
     """Call -> handler start and handler -> first response at the client, `streams` closed-loop streams."""
-    server = mp.Process(target=serve_ticking, args=(port,), daemon=True)
+    server = mp.Process(target=serve, args=(port, True), daemon=True)
     server.start()
     time.sleep(2)
     with mp.get_context("spawn").Pool(processes) as pool:
