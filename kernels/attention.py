@@ -12,10 +12,12 @@ its seq_lens[i] tokens, and attend causally to everything before them (cached pr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from kernels.rope_tiles import RopeTables, rope_ref_one
 
 
 @dataclass
@@ -71,12 +73,21 @@ class OutputRows:
     """The rows as a decode batch: one query each, at the last of its sequence's seq_lens tokens."""
 
 
+class Rope(NamedTuple):
+    """Rotate-half rope of a pass's new tokens, which the backend applies to q and k (inside its kernels)."""
+
+    positions: torch.Tensor  # [num_tokens] int64: each new token's position (seq_len - query_len + its row)
+    tables: RopeTables
+
+
 class AttentionBackend(Protocol):
     """Writes new K/V into the paged cache and attends over cached prefix + new tokens.
 
     Contract: prepare(meta) runs once per forward pass before any layer (meta.rows included); forward(...)
     runs per layer, writes k/v at meta.slot_mapping first, then returns attention for every query token in
-    input order. forward_rows(...) is the same for a last layer that needs meta.rows only.
+    input order. forward_rows(...) is the same for a last layer that needs meta.rows only. Given rope, q and
+    k arrive as projected and the backend rotates both (the cache holds rotated K), exactly as
+    kernels.rope_tiles.rope_ref_one does.
     """
 
     def prepare(self, meta: AttentionMetadata) -> None: ...
@@ -89,6 +100,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        rope: Rope | None = None,
     ) -> torch.Tensor:  # [num_rows, num_heads, head_dim]
         ...
 
@@ -100,6 +112,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        rope: Rope | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
 
@@ -147,7 +160,10 @@ class TorchAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
+        if rope is not None:
+            q, k = rope_ref_one(rope.positions, q, rope.tables), rope_ref_one(rope.positions, k, rope.tables)
         self._append(k, v, kv_cache, meta)
         return self._attend(q, kv_cache, meta, scale)
 
@@ -159,8 +175,12 @@ class TorchAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        rope: Rope | None = None,
     ) -> torch.Tensor:
         assert meta.rows is not None, "forward_rows needs a pass with output rows"
+        if rope is not None:
+            q = rope_ref_one(rope.positions[meta.rows.index], q, rope.tables)
+            k = rope_ref_one(rope.positions, k, rope.tables)
         self._append(k, v, kv_cache, meta)
         return self._attend(q, kv_cache, meta.rows.meta, scale) if len(q) else q
 

@@ -7,7 +7,9 @@ of a sequence, the current one included (its K/V are already in the cache).
 Stage 1 runs one program per (sequence, kv head, split). It loads the G = num_heads // num_kv_heads query
 heads of its KV head as one [G_PAD, head_dim] tile (G padded to a power of two >= 16 for tl.dot) and walks
 its share of the sequence in tiles of TILE_N tokens (choose_decode_config picks TILE_N and warps); each
-token's block id is gathered from the block table. Softmax is online, in fp32, in the log2 domain.
+token's block id is gathered from the block table. Given rope tables, q arrives unrotated and stage 1 rotates
+it as it loads it, at the sequence's last position (kernels/rope_tiles.py).
+Softmax is online, in fp32, in the log2 domain.
 With one split stage 1 writes the output; otherwise it writes a normalised partial output and its
 log-sum-exp to a workspace and stage 2 merges the splits.
 
@@ -23,6 +25,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from kernels.rope_tiles import RopeTables, check_tables, load_rotated
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -156,6 +160,8 @@ def _decode_stage1(
     out_ptr,  # [batch, num_heads, head_dim], written when not SPLIT
     part_out_ptr,  # [>= batch, num_heads, >= num_splits, head_dim] fp32, written when SPLIT
     part_lse_ptr,  # [>= batch, num_heads, >= num_splits] fp32, written when SPLIT
+    cos_ptr,  # ROPE: [max_positions, head_dim] rope tables for q
+    sin_ptr,
     qk_scale,  # softmax scale * log2(e)
     num_splits,
     max_blocks,
@@ -175,12 +181,15 @@ def _decode_stage1(
     stride_ps,
     stride_lb,
     stride_lh,
+    stride_cos,
+    max_positions,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    ROPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -198,9 +207,12 @@ def _decode_stage1(
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kv_head * GROUP + offs_g  # [GROUP_PAD] query heads of this kv head
     g_mask = offs_g < GROUP
-    q = tl.load(
-        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=g_mask[:, None], other=0.0
-    )  # [GROUP_PAD, HEAD_DIM]
+    q_rows = q_ptr + seq * stride_qb + heads * stride_qh  # [GROUP_PAD]
+    if ROPE:  # the query is the sequence's last token
+        pos = tl.full([GROUP_PAD], 0, tl.int32) + seq_len - 1
+        q = load_rotated(q_rows, g_mask, pos, cos_ptr, sin_ptr, stride_cos, max_positions, HEAD_DIM, HEAD_DIM)
+    else:
+        q = tl.load(q_rows[:, None] + offs_d[None, :], mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, HEAD_DIM]
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max, log2 domain
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2
@@ -315,6 +327,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     workspace: DecodeWorkspace | None = None,
     cfg: DecodeTileConfig | None = None,
+    rope: RopeTables | None = None,  # rotate q (at position seq_lens - 1) as it is loaded
 ) -> torch.Tensor:  # [batch, num_heads, head_dim], q's dtype unless `out` says otherwise
     """Attention of one new query per sequence over its paged K/V; sequences of length 0 give zeros.
 
@@ -324,6 +337,8 @@ def paged_decode_attention(
     """
     _check_inputs(q, kv_cache, block_tables, seq_lens)
     batch, num_heads, head_dim = q.shape
+    if rope is not None:
+        check_tables(rope, head_dim, q.dtype)
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     max_blocks = block_tables.shape[1]
     if out is None:
@@ -342,8 +357,9 @@ def paged_decode_attention(
     cfg = cfg or choose_decode_config(head_dim, group)
     assert cfg.tile_n >= 16 and cfg.tile_n & (cfg.tile_n - 1) == 0, f"tile_n must be a power of two >= 16: {cfg}"
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    cos, sin = rope if rope is not None else (q, q)  # unread without rope
     _decode_stage1[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, cos, sin,
         scale * LOG2E, num_splits, max_blocks,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -352,12 +368,14 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if split else 0,
         part_lse.stride(0), part_lse.stride(1),
+        cos.stride(0) if rope is not None else 0, cos.shape[0] if rope is not None else 1,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         TILE_N=cfg.tile_n,
         SPLIT=split,
+        ROPE=rope is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
     )  # fmt: skip

@@ -3,7 +3,10 @@
 A pass whose sequences each bring one new token (decode) runs the split-K decode kernel; any other pass
 (prefill chunks, or prefill and decode mixed) runs the varlen prefill kernel over cached prefix + new tokens.
 Decode reads K/V from the paged cache only, after the append has written the new tokens; prefill reads the
-cached prefix from the cache and the new tokens' K/V from the rows the model just computed.
+cached prefix from the cache and the new tokens' K/V from the rows the model just computed. With rope, the
+append rotates K (into the cache, and a contiguous copy that prefill reads); in prefill it rotates q too (the
+prefill kernel loads query tiles through TMA), while the decode kernel rotates its one query per sequence as it
+loads it. No rope kernel of its own: one launch per layer fewer, K read once.
 
 NOTE: forward() reads no device value on the host and, after the first decode pass, allocates nothing but
 its output, so the model runner can capture decode passes in CUDA graphs. The split-K workspace is sized
@@ -16,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.attention import AttentionMetadata
+from kernels.attention import AttentionMetadata, Rope
 from kernels.decode_attention import MAX_SPLITS, DecodeWorkspace, paged_decode_attention
 from kernels.kv_append import append_kv
 from kernels.prefill_attention import paged_prefill_attention
@@ -51,18 +54,23 @@ class TritonAttention:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        rope: Rope | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         plan: _TritonPlan = meta.plan
-        if meta.slot_mapping is not None:
-            append_kv(k, v, kv_cache, slot_mapping=meta.slot_mapping)
-        else:
-            append_kv(k, v, kv_cache, positions=meta.positions, block_tables=meta.block_tables)
-        if plan.decode:
+        tables = rope.tables if rope is not None else None
+        positions = rope.positions if rope is not None else None
+        if plan.decode:  # the decode kernel rotates each sequence's one query as it loads it
+            self._append(k, v, kv_cache, meta, rope)
             workspace = self._decode_workspace(q)
-            return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, workspace=workspace)
+            return paged_decode_attention(
+                q, kv_cache, meta.block_tables, meta.seq_lens, scale, workspace=workspace, rope=tables
+            )
+        assert meta.slot_mapping is not None, "a prefill pass needs slot_mapping"
+        k, q_rot = append_kv(k, v, kv_cache, meta.slot_mapping, positions, rope=tables, q=q if rope else None)
         return paged_prefill_attention(
-            q, k, v, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, plan.max_query_len, scale
-        )
+            q if q_rot is None else q_rot, k, v, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+            plan.max_query_len, scale,
+        )  # fmt: skip
 
     def forward_rows(
         self,
@@ -72,17 +80,30 @@ class TritonAttention:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        rope: Rope | None = None,
     ) -> torch.Tensor:  # [num_rows, num_heads, head_dim]
         """Every new token's K/V into the cache, then the rows' attention as a decode pass over the cache."""
         assert meta.rows is not None and meta.slot_mapping is not None, "forward_rows needs a prefill pass's rows"
-        append_kv(k, v, kv_cache, slot_mapping=meta.slot_mapping)
+        tables = rope.tables if rope is not None else None
+        self._append(k, v, kv_cache, meta, rope)
         rows = meta.rows.meta
         if not len(q):
             return q
         workspace = self._decode_workspace(q)
         return paged_decode_attention(
-            q, kv_cache, rows.block_tables, rows.seq_lens, scale, num_splits=ROWS_NUM_SPLITS, workspace=workspace
-        )
+            q, kv_cache, rows.block_tables, rows.seq_lens, scale, num_splits=ROWS_NUM_SPLITS, workspace=workspace,
+            rope=tables,
+        )  # fmt: skip
+
+    @staticmethod
+    def _append(
+        k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, rope: Rope | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tables = rope.tables if rope is not None else None
+        positions = rope.positions if rope is not None else None
+        if meta.slot_mapping is not None:
+            return append_kv(k, v, kv_cache, meta.slot_mapping, positions, rope=tables)
+        return append_kv(k, v, kv_cache, positions=meta.positions, block_tables=meta.block_tables, rope=tables)
 
     def _decode_workspace(self, q: torch.Tensor) -> DecodeWorkspace:
         batch, num_heads, head_dim = q.shape

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from core.engine import Engine  # noqa: E402
+from core.messages import pack_token_ids, unpack_token_ids  # noqa: E402
 from core.sampling_params import SamplingParams  # noqa: E402
 
 SHAPE: dict[str, Any] = dict(
@@ -72,10 +73,12 @@ def bench_engine(folder: Path, tokens: int, repeats: int, backend: str, eager: b
     engine = Engine(cfg)
     gen = torch.Generator().manual_seed(0)
     one = SamplingParams(temperature=0.0, max_tokens=1)
-    # NOTE: prompts are made before the clock starts (transformers' baseline also gets its ids ready-made)
+    # NOTE: prompts are made before the clock starts (transformers' baseline also gets its ids ready-made), as
+    # the int32 array a prefill worker unpacks from its GenerateCmd (the ids travel packed from the router)
     vocab = SHAPE["vocab_size"]
     # NOTE: reused after repeats + 16 calls (the profiles' extra calls): the bench's prefix cache is off
-    prompts = itertools.cycle([torch.randint(0, vocab, (tokens,), generator=gen).tolist() for _ in range(repeats + 16)])
+    made = [torch.randint(0, vocab, (tokens,), generator=gen).tolist() for _ in range(repeats + 16)]
+    prompts = itertools.cycle([unpack_token_ids(pack_token_ids(ids)) for ids in made])
 
     def run() -> None:
         engine.generate([next(prompts)], one)

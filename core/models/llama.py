@@ -17,7 +17,7 @@ from core.models.activations import activation
 from core.models.layers import MergedLinear, VocabEmbedding
 from core.models.loading import copy_weights
 from core.models.rope import RotaryEmbedding
-from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows
+from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, Rope
 from kernels.fused_ops import rms_norm, silu_and_mul
 
 
@@ -59,8 +59,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: Rope,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         rows: OutputRows | None,
@@ -69,11 +68,11 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim], rows strided
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        # NOTE: the backend applies rope inside its kernels (the KV append and the attention's q loads)
         if rows is None:
-            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, rope)
         else:
-            out = self.backend.forward_rows(q[rows.index], k, v, kv_cache, meta, self.scale)
+            out = self.backend.forward_rows(q[rows.index], k, v, kv_cache, meta, self.scale, rope)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -106,8 +105,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, hidden]: the previous layer's MLP output (the embeddings for layer 0)
         residual: torch.Tensor | None,  # [num_tokens, hidden]: the stream before x was added; None for layer 0
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: Rope,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         rows: OutputRows | None = None,
@@ -119,7 +117,7 @@ class LlamaDecoderLayer(nn.Module):
         on CPU stays bit-identical.
         """
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, rope, kv_cache, meta, rows)
+        x = self.self_attn(x, rope, kv_cache, meta, rows)
         if rows is not None:
             residual = residual[rows.index]  # [num_rows, hidden]
         x, residual = self.post_attention_layernorm(x, residual)
@@ -153,11 +151,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         residual: torch.Tensor | None = None
-        rope = self.model.rotary_emb
+        rope = Rope(positions, self.model.rotary_emb.tables)
         *layers, last = self.model.layers
         for layer, kv_cache in zip(layers, kv_caches, strict=False):
-            x, residual = layer(x, residual, positions, rope, kv_cache, meta)
-        x, residual = last(x, residual, positions, rope, kv_caches[-1], meta, meta.rows)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        x, residual = last(x, residual, rope, kv_caches[-1], meta, meta.rows)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.fused_ops import apply_rope
+from kernels.rope_tiles import RopeTables
 
 
 def _rope_type_and_theta(hf: Any) -> tuple[str, float]:
@@ -49,9 +49,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens]; q [num_tokens, heads, head_dim]; k [num_tokens, kv_heads, head_dim].
-
-        New tensors; the tables are cast to q's dtype first, as transformers does (kernels/fused_ops.py).
-        """
-        return apply_rope(positions, q, k, self.cos, self.sin)
+    @property
+    def tables(self) -> RopeTables:
+        """The tables the attention backend rotates q and k with (kernels/rope_tiles.py casts them to q's dtype
+        first, as transformers does)."""
+        return RopeTables(self.cos, self.sin)

@@ -75,28 +75,44 @@ def check_decode(
     return err
 
 
-def check_append(mode: str, dtype: torch.dtype, device: str, seed: int) -> None:
+def check_append(mode: str, dtype: torch.dtype, device: str, seed: int, rope: bool = False) -> None:
+    """append_kv == append_kv_ref: the cache, and with rope the rotated K returned (bit for bit: each rope
+    product and the sum round as torch's do)."""
     from kernels.kv_append import append_kv, append_kv_ref
+    from kernels.rope_tiles import RopeTables
 
     gen = torch.Generator().manual_seed(seed)
     block_size, kv_heads, head_dim, num_blocks = 16, 3, 64, 40  # 3 heads: a row that is not a power of two
     lens = [1, 16, 17, 40, 33]
     tables = random_tables(lens, block_size, num_blocks, gen).to(device)
-    n = len(lens)
+    n, slots = len(lens), None
     if mode == "positions":
-        kwargs = {"positions": torch.tensor([x - 1 for x in lens], device=device), "block_tables": tables}
+        positions, block_tables = torch.tensor([x - 1 for x in lens], device=device), tables
     elif mode == "shared":
-        kwargs = {"positions": torch.tensor([12], device=device), "block_tables": tables}
+        positions, block_tables = torch.tensor([12], device=device), tables
     else:
-        n = 37
-        kwargs = {"slot_mapping": (torch.randperm(num_blocks * block_size, generator=gen)[:n]).to(device)}
-    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+        n, block_tables = 37, None
+        slots = (torch.randperm(num_blocks * block_size, generator=gen)[:n]).to(device)
+        positions = torch.randint(0, 5000, (n,), generator=gen).to(device)
+    # q, k and v as strided views of a fused qkv projection, as the model hands them over (5 query heads)
+    width = (5 + 2 * kv_heads) * head_dim
+    qkv = torch.randn(n, width + 8, generator=gen).to(device=device, dtype=dtype)
+    q, k, v = (t.view(n, -1, head_dim) for t in qkv[:, :width].split([5 * head_dim, *[kv_heads * head_dim] * 2], -1))
     cache = random_cache(num_blocks, block_size, kv_heads, head_dim, dtype, device, gen)
     expected = cache.clone()
-    append_kv_ref(k, v, expected, **kwargs)
-    append_kv(k, v, cache, **kwargs)
-    assert torch.equal(cache, expected), f"append ({mode}) differs from the reference"
+    freqs = torch.outer(torch.arange(5000.0), 500000.0 ** (-torch.arange(0, head_dim, 2) / head_dim))
+    emb = torch.cat((freqs, freqs), -1)
+    rope_tables = RopeTables(emb.cos().to(device), emb.sin().to(device)) if rope else None
+    q_in = q if rope else None  # rotated beside k (the backend asks for it in prefill passes)
+    k_ref, q_ref = append_kv_ref(k, v, expected, slots, positions, block_tables, rope_tables, q_in)
+    pos_in = positions if slots is None or rope else None
+    k_out, q_out = append_kv(k, v, cache, slots, pos_in, block_tables, rope_tables, q_in)
+    what = f"append ({mode}, rope {rope})"
+    assert torch.equal(cache, expected), f"{what} differs from the reference"
+    assert torch.equal(k_out, k_ref), f"{what} returned another K"
+    assert (q_out is None) == (q_ref is None) == (q_in is None), f"{what}: q rotated or not"
+    if q_out is not None and q_ref is not None:
+        assert torch.equal(q_out, q_ref), f"{what}: q rotated differently"
 
 
 DECODE_CASES = [
@@ -129,13 +145,15 @@ def test_split_heuristic_equals_one_split(batch: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("mode", ["slots", "positions", "shared"])
-def test_append_kv_matches_reference(mode: str, dtype: str) -> None:
-    check_append(mode, DTYPES[dtype], "cuda", seed=7)
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
+def test_append_kv_matches_reference(mode: str, dtype: str, rope: bool) -> None:
+    check_append(mode, DTYPES[dtype], "cuda", seed=7, rope=rope)
 
 
 def _interpreter_checks() -> None:
     for mode in ("slots", "positions", "shared"):
         check_append(mode, torch.float32, "cpu", seed=1)
+        check_append(mode, torch.float16, "cpu", seed=1, rope=True)
     check_decode(torch.float32, 4, 2, 4, 16, [1, 5, 8, 9], None, "cpu", seed=2)
     check_decode(torch.float32, 4, 1, 8, 32, [0, 17, 3], 3, "cpu", seed=3)
     check_decode(torch.float16, 8, 2, 16, 16, [70, 2], 2, "cpu", seed=4)
