@@ -14,6 +14,11 @@ Tokens still on the device: while a decode step is in flight, the engine launche
 host has read the tokens the first one sampled. Those rows take their input id on the device from
 `sampled` (the in-flight step's tokens, by its row): the host stages id 0 and the source row, the rest
 stage their known id and the always-zero slot sampled[max_batch]; one gather and one add, in place.
+
+NOTE: the host staging is rewritten only once the previous load's copies have left it (an event). The engine
+waits for the in-flight step's sampled tokens, not for the next step's input copies queued after them: on a
+GPU busy with other work (another process time-slicing it, an MPS server cleaning up a killed client) those
+copies would otherwise read the inputs of the step after, and the step would run at the wrong positions.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class DecodeBatch:
         self._gathered = torch.zeros(max_batch, dtype=torch.int64, device=device)
         # What row i of the host block table holds: (request, its blocks_epoch, number of its blocks).
         self._rows: list[tuple[Request | None, int, int]] = [(None, 0, 0)] * max_batch
+        self._copied = None if on_host else torch.cuda.Event()  # recorded after each load's copies to the device
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -65,6 +71,8 @@ class DecodeBatch:
         """
         n = len(reqs)
         assert n <= padded <= self.max_batch, f"batch {n} padded to {padded} exceeds {self.max_batch} rows"
+        if self._copied is not None:
+            self._copied.synchronize()  # NOTE: the last load's copies are out of the staging (see the module's NOTE)
         ids_pos, seq_lens = self._ids_pos_np, self._seq_lens_np
         positions = [req.num_computed_tokens for req in reqs]
         lens = [pos + 1 for pos in positions]
@@ -111,6 +119,8 @@ class DecodeBatch:
         self.seq_lens[:padded].copy_(self.seq_lens_cpu[:padded], non_blocking=True)
         if tables_dirty:
             self.block_tables[:padded].copy_(self.tables_cpu[:padded], non_blocking=True)
+        assert self._copied is not None
+        self._copied.record()
 
     def metadata(self, batch: int, seq_lens: list[int]) -> AttentionMetadata:
         """The attention metadata of rows [0, batch): views of the persistent buffers."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from core.decode_batch import DecodeBatch
 from core.engine import Engine
 from core.request import Request
 from core.sampler import SamplingState
@@ -21,6 +22,8 @@ from tests.passes import every_row_logits, prompt_plan
 
 pytestmark = pytest.mark.gpu
 NEW_TOKENS = 32
+STALL_CYCLES = 20_000_000
+"""A GPU sleep of about 10 ms: far longer than the host takes to stage the next decode step."""
 
 
 def hf_greedy_cuda(model_dir: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[torch.Tensor]]:
@@ -186,3 +189,32 @@ def test_prefill_last_layer_on_sampling_rows_matches_every_row(tiny_llama_dir: P
     torch.testing.assert_close(rows, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(kv, engine.runner.kv_pool[:, :, 1:], rtol=1e-4, atol=1e-4)
     assert kv[-1].abs().sum() > 0
+
+
+def test_overlapped_decode_steps_keep_their_inputs_on_a_busy_gpu(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each decode step's input copies wait on the GPU behind a stall (as when another process has the GPU, or an
+    MPS server cleans up a killed client) while the host, which waited only for the previous step's tokens,
+    stages the step after: every step must still run on its own inputs, so tokens equal transformers'."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    prompts = random_prompts(1024, (5, 17, 33, 3), seed=43)
+    expected, _ = hf_greedy_cuda(tiny_llama_dir, prompts)
+    copy_inputs, launch = DecodeBatch._to_device, Engine._launch_decode
+    launched: list[int] = []
+
+    def stalled_copies(batch: DecodeBatch, padded: int, tables_dirty: bool) -> None:
+        torch.cuda._sleep(STALL_CYCLES)
+        copy_inputs(batch, padded, tables_dirty)
+
+    def counted_launch(engine: Engine, plan: StepPlan):  # type: ignore[no-untyped-def]
+        launched.append(len(plan.chunks))
+        return launch(engine, plan)
+
+    monkeypatch.setattr(DecodeBatch, "_to_device", stalled_copies)
+    monkeypatch.setattr(Engine, "_launch_decode", counted_launch)
+    cfg = EngineConfig(ModelConfig.from_pretrained(tiny_llama_dir), CacheConfig(num_blocks=256), device="cuda")
+    engine = Engine(cfg)
+    got = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert len(launched) >= NEW_TOKENS - 2, launched  # NOTE: the decode steps ran overlapped, each behind a stall
+    assert got == expected
