@@ -109,9 +109,13 @@ def classify(plan: Plan, outcome: Outcome) -> str:
     """cancelled | finished (all max_tokens before the cancel landed) | a failure's description."""
     last = outcome.responses[-1] if outcome.responses else None
     if outcome.code == grpc.StatusCode.CANCELLED:
-        if last is not None and last.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            return f"cancelled after a finish {last.finish_reason}"
-        return "cancelled"
+        if last is None or last.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            return "cancelled"
+        # NOTE: the client cancelled after the last response but before the OK status (the call ends CANCELLED
+        # at the client whatever the server did): finished, if that response completed the stream
+        if last.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens_of(outcome.responses)) == plan.max_tokens:
+            return "finished"
+        return f"cancelled after a finish {last.finish_reason}"
     if outcome.code == grpc.StatusCode.OK and last is not None and last.finish_reason == pb.FINISH_REASON_LENGTH:
         if len(tokens_of(outcome.responses)) == plan.max_tokens:
             return "finished"

@@ -73,13 +73,16 @@ async def one(stub: pb_grpc.GenerationStub, req: pb.GenerateRequest, progress: l
 
 
 async def run_load(
-    address: str, load: Workload, kill: Callable[[list[int]], bool] | None = None
+    address: str, load: Workload, kill: Callable[[list[int]], bool] | None = None, tag: str = "load"
 ) -> tuple[list[Outcome], float | None]:
-    """All streams of load at once; kill(progress) is polled until it says it acted. (outcomes, kill time)"""
+    """All streams of load at once, stream i as request {tag}-{i} (the workers' logs name it); kill(progress) is
+    polled until it says it acted. (outcomes, kill time)"""
     progress = [0] * len(load.prompts)
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         reqs = [greedy_request(p, load.max_tokens) for p in load.prompts]
+        for i, req in enumerate(reqs):
+            req.request_id = f"{tag}-{i}"
         tasks = [asyncio.create_task(one(stub, r, progress, i)) for i, r in enumerate(reqs)]
         killed_at = None
         while kill is not None and killed_at is None and not all(t.done() for t in tasks):
@@ -87,6 +90,25 @@ async def run_load(
                 killed_at = time.monotonic()
             await asyncio.sleep(0.005)
         return list(await asyncio.gather(*tasks)), killed_at
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where a and b differ (the shorter one's length if one is a prefix of the other)."""
+    n = min(len(a), len(b))
+    return next((k for k in range(n) if a[k] != b[k]), n)
+
+
+def differences(outcomes: list[Outcome], reference: list[Outcome]) -> list[str]:
+    """One line per stream that differs from its reference: index, first differing token, error."""
+    lines = []
+    for i, (o, r) in enumerate(zip(outcomes, reference, strict=True)):
+        if o.tokens != r.tokens or o.error:
+            at = first_difference(o.tokens, r.tokens)
+            got, want = o.tokens[at : at + 3], r.tokens[at : at + 3]
+            lines.append(
+                f"stream {i}: {len(o.tokens)} tokens, first differs at {at} ({got} vs {want}), error {o.error}"
+            )
+    return lines
 
 
 def incarnation(cluster: Cluster, role: str, worker: int) -> str:
@@ -99,7 +121,7 @@ def all_leases_free(cluster: Cluster) -> bool:
 
 def crash_under_load(cluster: Cluster, role: str, load: Workload, ready: Callable[[list[int]], bool]) -> None:
     """The scenario: reference run, the same load with a kill -9 of {role}-0 once ready(progress), checks."""
-    reference, _ = asyncio.run(run_load(cluster.address, load))
+    reference, _ = asyncio.run(run_load(cluster.address, load, tag=f"{role}-reference"))
     assert all(o.error is None and len(o.tokens) == load.max_tokens for o in reference), reference
     old = incarnation(cluster, role, 0)
     pid = cluster.pid(f"{role}-0")
@@ -117,7 +139,7 @@ def crash_under_load(cluster: Cluster, role: str, load: Workload, ready: Callabl
         threading.Thread(target=watch_restart, daemon=True).start()
         return True
 
-    outcomes, killed_at = asyncio.run(run_load(cluster.address, load, kill))
+    outcomes, killed_at = asyncio.run(run_load(cluster.address, load, kill, tag=f"{role}-kill"))
     assert killed_at is not None, "every stream finished before the kill"
     cluster.wait_for(lambda: bool(back_at), BACK_WITHIN_S + 5, f"{role}-0 back")
     back_s = back_at[0] - killed_at
@@ -129,14 +151,14 @@ def crash_under_load(cluster: Cluster, role: str, load: Workload, ready: Callabl
     except AssertionError:
         stats = [cluster.stats(r, i) for r in ("prefill", "decode") for i in range(2)]
         leaked = sum(s["num_total_blocks"] - s["num_free_blocks"] for s in stats)
-    after, _ = asyncio.run(run_load(cluster.address, load))
+    after, _ = asyncio.run(run_load(cluster.address, load, tag=f"{role}-after"))
     failed_after = sum(o.error is not None or o.tokens != r.tokens for o, r in zip(after, reference, strict=True))
     router_log = (cluster.run_dir / "logs" / "router.log").read_text(errors="replace")
     migrated = router_log.count("; migrated with")
     record(f"kill -9 {role} worker, 100 streams (migration)", NUM_STREAMS, len(wrong), leaked, back_s)
     record(f"100 requests after the {role} worker restart", NUM_STREAMS, failed_after, 0, None)
     print(f"{role}: {migrated} migrations so far, back {back_s:.2f} s after the kill; wrong streams {wrong[:5]}")
-    assert not wrong, [(outcomes[i], reference[i]) for i in wrong[:3]]
+    assert not wrong, "\n".join([f"logs: {cluster.run_dir / 'logs'}", *differences(outcomes, reference)[:10]])
     assert migrated > 0, router_log[-2000:]
     assert back_s <= BACK_WITHIN_S and leaked == 0 and failed_after == 0
 
