@@ -108,18 +108,16 @@ async def run_wave(address: str, wave: list[Plan]) -> list[Outcome]:
 def classify(plan: Plan, outcome: Outcome) -> str:
     """cancelled | finished (all max_tokens before the cancel landed) | a failure's description."""
     last = outcome.responses[-1] if outcome.responses else None
+    num_tokens = len(tokens_of(outcome.responses))
+    complete = last is not None and last.finish_reason == pb.FINISH_REASON_LENGTH and num_tokens == plan.max_tokens
     if outcome.code == grpc.StatusCode.CANCELLED:
         if last is None or last.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             return "cancelled"
         # NOTE: the client cancelled after the last response but before the OK status (the call ends CANCELLED
         # at the client whatever the server did): finished, if that response completed the stream
-        if last.finish_reason == pb.FINISH_REASON_LENGTH and len(tokens_of(outcome.responses)) == plan.max_tokens:
-            return "finished"
-        return f"cancelled after a finish {last.finish_reason}"
+        return "finished" if complete else f"cancelled after a finish {last.finish_reason}"
     if outcome.code == grpc.StatusCode.OK and last is not None and last.finish_reason == pb.FINISH_REASON_LENGTH:
-        if len(tokens_of(outcome.responses)) == plan.max_tokens:
-            return "finished"
-        return f"LENGTH after {len(tokens_of(outcome.responses))} of {plan.max_tokens} tokens"
+        return "finished" if complete else f"LENGTH after {num_tokens} of {plan.max_tokens} tokens"
     reason = None if last is None else last.finish_reason
     return f"{outcome.code.name} with finish reason {reason}"
 
