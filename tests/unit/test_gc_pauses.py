@@ -47,7 +47,8 @@ def test_freezing_takes_the_live_heap_out_of_full_passes(pauses: GcPauses) -> No
     try:
         frozen = freeze_startup_heap(pauses)
         assert pauses.counters()["gc_collections_gen2"] == 0, "the freeze's own collection counted as serving"
-        assert frozen == gc.get_freeze_count() and frozen >= len(kept)
+        # NOTE: frozen objects that die later leave the count (another thread's, seen once: 518362 then 518360)
+        assert frozen >= gc.get_freeze_count() >= len(kept)
         assert all(gc.is_tracked(x) for x in kept[:10])
         assert not any(x is kept[0] for x in gc.get_objects(generation=2))  # the permanent generation is not scanned
     finally:
