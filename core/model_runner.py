@@ -20,6 +20,7 @@ from core.sampling_params import SamplingParams
 from core.scheduler import ScheduledChunk, StepPlan
 from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, TorchAttention
 from kernels.pass_inputs import token_positions_slots
+from kernels.prefill_splits import SPLIT_MAX_TOKENS, SPLIT_MIN_PREFIX
 
 WARMUP_LENGTHS = (1, 7, 16, 31, 64, 200)
 """Prompt lengths of the warm-up passes: each prefill-attention tile height (it follows the longest query)."""
@@ -171,14 +172,17 @@ class ModelRunner:
         """
         bs, max_len = self.cfg.cache.block_size, self.cfg.model.max_model_len - 1
 
-        def chunk(n: int) -> ScheduledChunk:
-            req = Request("warmup", [0] * n, n, SamplingState(SamplingParams(), ()))
-            req.block_ids.extend([0] * -(-n // bs))
+        def chunk(n: int, prefix: int = 0) -> ScheduledChunk:
+            req = Request("warmup", [0] * (prefix + n), prefix + n, SamplingState(SamplingParams(), ()))
+            req.block_ids.extend([0] * -(-(prefix + n) // bs))
+            req.num_computed_tokens = prefix
             return ScheduledChunk(req, n)
 
         for n in sorted({min(n, max_len) for n in lengths}):
             for num_seqs in WARMUP_BATCHES:
                 self.execute(StepPlan(chunks=[chunk(n) for _ in range(num_seqs)]))
+            if n <= SPLIT_MAX_TOKENS and SPLIT_MIN_PREFIX + n <= max_len:  # a split pass (kernels/prefill_splits.py)
+                self.execute(StepPlan(chunks=[chunk(n, SPLIT_MIN_PREFIX)]))
         self.num_forward_calls = self.num_forward_tokens = 0
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

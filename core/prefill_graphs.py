@@ -15,7 +15,9 @@ they belong to no sequence (query_start_loc stops at the real tokens), so attent
 unwritten and nothing reads them. Padding sequences have query length 0 and seq_len 0.
 
 NOTE: each graph was captured with max_query_len = its token count (the prefill kernel's grid); programs of
-rows past a sequence's real length exit at once. Captured largest first, so all share one memory pool.
+rows past a sequence's real length exit at once. Captured largest first, so all share one memory pool. Sizes up
+to SPLIT_MAX_TOKENS have a second graph whose prefill attention splits long cached prefixes
+(kernels/prefill_splits.py), replayed when the pass has one (choose_num_splits, as an eager pass decides).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows
 from kernels.pass_inputs import fill_positions_slots
+from kernels.prefill_splits import SPLIT_MAX_TOKENS, SPLIT_MIN_PREFIX, choose_num_splits
 
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, *range(512, 1536, 128), *range(1536, 4097, 256))
 """Token counts a graph may be captured at; a pass of more tokens than the largest captured runs eagerly.
@@ -79,7 +82,7 @@ class PrefillGraphs:
         self.ints_cpu[self._rows_at : self._rows_at + s + 1] = torch.arange(s + 1)  # NOTE: one query per row
         self.longs, self.ints = self.longs_cpu.to(device), self.ints_cpu.to(device)
         self.token_places = torch.zeros(2, t, dtype=torch.int64, device=device)  # [positions; slots]
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (size, split)
         self._pool = torch.cuda.graph_pool_handle()
         self._copied = torch.cuda.Event()  # recorded after each load's copies out of the pinned staging
 
@@ -94,11 +97,12 @@ class PrefillGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         for size in reversed(self.sizes):
-            self._graphs[size] = self._capture_one(size)
+            for split in (False, True) if size <= SPLIT_MAX_TOKENS else (False,):
+                self._graphs[size, split] = self._capture_one(size, split)
 
-    def _capture_one(self, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_one(self, size: int, split: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         self._load(_padding_inputs(), size)  # NOTE: all padding: warm-up and capture write only the null block
-        args = self._views(size)
+        args = self._views(size, split)
         self.backend.prepare(args[2])
         self._forward(*args)  # warm-up: compiles kernels
         torch.cuda.synchronize(self.device)
@@ -117,8 +121,10 @@ class PrefillGraphs:
     def run(self, host: HostInputs) -> torch.Tensor:  # [num_sampling, vocab] float32, a view of the graph's output
         """Load a pass (fits() must hold) and replay the graph of the smallest size that holds it."""
         size = next(s for s in self.sizes if s >= len(host.ids))
+        max_prefix = int((host.seq_lens - np.diff(host.query_start)).max(initial=0))
+        split = (size, True) in self._graphs and choose_num_splits(len(host.ids), max_prefix) > 1
         self._load(host, size)
-        graph, logits = self._graphs[size]
+        graph, logits = self._graphs[size, split]
         graph.replay()
         return logits[: len(host.logits_idx)]
 
@@ -156,15 +162,19 @@ class PrefillGraphs:
         table_part[:b, : tables.shape[1]] = tables
         table_part[b:, 0] = 0
 
-    def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _views(self, size: int, split: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         t, s = self.sizes[-1], PREFILL_GRAPH_SEQS
-        # NOTE: query_lens and seq_lens_cpu size the kernels' grids; real lengths are read on the device
-        meta = self._meta(self.ints[: self._rows_at], [size] + [0] * (s - 1), self.token_places[1, :size])
+        # NOTE: query_lens and seq_lens_cpu size the kernels' grids (and, as a prefix length, pick a split);
+        # real lengths are read on the device
+        prefix = SPLIT_MIN_PREFIX if split else 0
+        meta = self._meta(self.ints[: self._rows_at], [size] + [0] * (s - 1), self.token_places[1, :size], prefix)
         rows = self._meta(self.ints[self._rows_at :], [1] * s, None)
         meta.rows = OutputRows(self.longs[t : t + s], rows)
         return self.longs[:size], self.token_places[0, :size], meta
 
-    def _meta(self, part: torch.Tensor, query_lens: list[int], slots: torch.Tensor | None) -> AttentionMetadata:
+    def _meta(
+        self, part: torch.Tensor, query_lens: list[int], slots: torch.Tensor | None, prefix: int = 0
+    ) -> AttentionMetadata:
         """Metadata over a [query_start; seq_lens; tables] part of the int32 buffer."""
         s = PREFILL_GRAPH_SEQS
         return AttentionMetadata(
@@ -173,7 +183,7 @@ class PrefillGraphs:
             seq_lens=part[s + 1 : 2 * s + 1],
             block_tables=part[2 * s + 1 :].view(s, self.max_blocks),
             query_lens=query_lens,
-            seq_lens_cpu=[max(query_lens)] + [0] * (s - 1),
+            seq_lens_cpu=[prefix + max(query_lens)] + [0] * (s - 1),
             block_size=self.block_size,
         )
 

@@ -58,6 +58,11 @@ class AttentionMetadata:
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu)
 
+    @property
+    def max_prefix_len(self) -> int:
+        """The most cached tokens any sequence has before its new ones."""
+        return max((s - q for s, q in zip(self.seq_lens_cpu, self.query_lens, strict=True)), default=0)
+
 
 @dataclass
 class OutputRows:

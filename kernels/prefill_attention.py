@@ -16,13 +16,14 @@ tiles before the query tile's first row run unmasked, the few on the diagonal wi
 beyond are skipped. Reading new keys from k_new/v_new rather than the cache drops the per-key block-table
 gather from the long-prompt case, where nearly every key is new. The heads are the fastest grid axis, so the
 G query heads of one KV head run side by side and share K/V through L2; query tiles are issued last-first,
-so the longest (most keys) programs start first.
+so the longest (most keys) programs start first. A pass of few tokens splits long cached prefixes across
+programs (split-KV, kernels/prefill_splits.py).
 
 NOTE: the launch reads no device value on the host (max_query_len is a host int that sizes the grid;
-query lengths and seq_lens are read inside the kernel) and, given `out`, allocates only the TMA descriptors'
-scratch (from torch's caching allocator through triton.set_allocator; a capture keeps it in the graph's pool),
-so a CUDA graph can capture it. A graph replays the grid of its captured max_query_len: rows past it would stay
-unwritten.
+query lengths and seq_lens are read inside the kernel) and, given `out` and `workspace`, allocates only the
+TMA descriptors' scratch (from torch's caching allocator through triton.set_allocator; a capture keeps it in
+the graph's pool), so a CUDA graph can capture it. A graph replays the grid of its captured max_query_len:
+rows past it would stay unwritten.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from kernels.prefill_splits import (
+    MIN_SPLIT_TILES,
+    PrefillWorkspace,
+    merge_splits,
+    split_range,
+    store_partial,
+)
 
 LOG2E = 1.4426950408889634
 MIN_HEAD_DIM = 16
@@ -220,7 +229,8 @@ def _attend_prefix(
     k_base,  # k_cache at this KV head
     v_base,
     bt_row,  # block table row of this sequence
-    ctx_len,  # the cached prefix's length (0: none)
+    lo,  # keys [lo, hi) of the cached prefix (lo a multiple of BLOCK_N; hi <= the prefix's length)
+    hi,
     qk_scale,
     stride_kb,
     stride_kt,
@@ -232,18 +242,18 @@ def _attend_prefix(
     BLOCK_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Fresh softmax state (acc, l_i, m_i) after the whole cached prefix: full tiles unmasked, the tail masked."""
+    """Fresh softmax state (acc, l_i, m_i) after prefix keys [lo, hi): full tiles unmasked, the tail masked."""
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    full_ctx = ctx_len // BLOCK_N * BLOCK_N
+    full_end = lo + (hi - lo) // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _attend_prefix_tiles(
-        acc, l_i, m_i, q, k_base, v_base, bt_row, 0, full_ctx, qk_scale,
+        acc, l_i, m_i, q, k_base, v_base, bt_row, lo, full_end, qk_scale,
         stride_kb, stride_kt, stride_vb, stride_vt,
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION,
     )  # fmt: skip
     return _attend_prefix_tiles(
-        acc, l_i, m_i, q, k_base, v_base, bt_row, full_ctx, ctx_len, qk_scale,
+        acc, l_i, m_i, q, k_base, v_base, bt_row, full_end, hi, qk_scale,
         stride_kb, stride_kt, stride_vb, stride_vt,
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION,
     )  # fmt: skip
@@ -312,7 +322,13 @@ def _new_token_inputs(
     return q_in, k_in, v_in
 
 
-@triton.jit(do_not_specialize=["max_blocks", "num_tokens", "stride_bt"])  # NOTE: per pass, see jit_watch
+# NOTE: per pass (see jit_watch), or per workspace: the split partials' strides, read only by split passes
+@triton.jit(
+    do_not_specialize=[
+        "max_blocks", "num_tokens", "stride_bt", "num_splits",
+        "stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt",
+    ]
+)  # fmt: skip
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim], rows strided
     k_new_ptr,  # [num_tokens, num_kv_heads, head_dim]: the new tokens' K, rows strided
@@ -323,11 +339,14 @@ def _prefill_kernel(
     query_start_loc_ptr,  # [batch + 1] int32
     seq_lens_ptr,  # [batch] int32
     out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_out_ptr,  # [num_splits, max_tokens, num_heads, head_dim] fp32 (kernels/prefill_splits.py), split passes
+    part_lse_ptr,  # [num_splits, max_tokens, num_heads] fp32
     qk_scale,  # softmax scale * log2(e)
     group,  # num_heads // num_kv_heads
     max_blocks,
     num_tokens,
     num_heads,
+    num_splits,  # programs per (head, query tile, sequence) on grid axis 2; 1: no split
     stride_qt,
     stride_nkt,
     stride_nvt,
@@ -340,16 +359,23 @@ def _prefill_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
+    stride_ps,
+    stride_pt,
+    stride_ph,
+    stride_ls,
+    stride_lt,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    MIN_TILES: tl.constexpr,  # MIN_SPLIT_TILES
 ):
     head = tl.program_id(0)
     m_tile = tl.num_programs(1) - 1 - tl.program_id(1)  # last tiles (most keys) first
-    seq = tl.program_id(2)
+    seq = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     start_m = m_tile * BLOCK_M
@@ -358,6 +384,9 @@ def _prefill_kernel(
     # NOTE: a length beyond the block table is clamped, so no read leaves the table.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_blocks * BLOCK_SIZE)
     ctx_len = tl.maximum(seq_len - q_len, 0)  # cached prefix before the first query
+    used, lo, hi = split_range(ctx_len, split, num_splits, BLOCK_N, MIN_TILES)
+    if split >= used:
+        return
     kv_head = head // group
     offs_m = start_m + tl.arange(0, BLOCK_M)  # [BLOCK_M] query rows within the sequence
     row_mask = offs_m < q_len
@@ -369,16 +398,23 @@ def _prefill_kernel(
     q = _load_q(q_in, q_rows, row_mask, q_start + start_m, head * HEAD_DIM, stride_qt, HEAD_DIM, TMA)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     acc, l_i, m_i = _attend_prefix(
-        q, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, bt_row, ctx_len, qk_scale,
+        q, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, bt_row, lo, hi, qk_scale,
         stride_kb, stride_kt, stride_vb, stride_vt, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_SIZE, DOT_PRECISION,
     )  # fmt: skip
-    acc, l_i, m_i = _attend_new(
-        acc, l_i, m_i, q, offs_m, k_new, v_new, q_start, kv_head * HEAD_DIM, start_m, q_len, qk_scale,
-        stride_nkt, stride_nvt, HEAD_DIM, BLOCK_M, BLOCK_N, TMA, DOT_PRECISION,
-    )  # fmt: skip
-    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM)[None, :]
-    o = acc / l_i[:, None]  # every stored row saw its own key: l_i >= 1
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    if split == used - 1:  # the last split also takes the new tokens
+        acc, l_i, m_i = _attend_new(
+            acc, l_i, m_i, q, offs_m, k_new, v_new, q_start, kv_head * HEAD_DIM, start_m, q_len, qk_scale,
+            stride_nkt, stride_nvt, HEAD_DIM, BLOCK_M, BLOCK_N, TMA, DOT_PRECISION,
+        )  # fmt: skip
+    if used > 1:
+        store_partial(
+            acc, l_i, m_i, q_rows, row_mask, head, split, part_out_ptr, part_lse_ptr,
+            stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, HEAD_DIM,
+        )  # fmt: skip
+    else:
+        o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + tl.arange(0, HEAD_DIM)[None, :]
+        o = acc / l_i[:, None]  # every stored row saw its own key: l_i >= 1
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 def _check_inputs(
@@ -450,32 +486,48 @@ def launch_prefill_kernel(
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     cfg: PrefillTileConfig,
     tma: bool,
+    num_splits: int = 1,
+    workspace: PrefillWorkspace | None = None,  # required with num_splits > 1 (unread without)
 ) -> None:
-    """Launches the kernel with explicit tiles (for tuning); inputs are assumed checked (tma: tma_supported)."""
+    """Launches the kernel (and the split merge) with explicit tiles and splits; inputs are assumed checked."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    batch = block_tables.shape[0]
+    batch, max_blocks = block_tables.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_heads, triton.cdiv(max_query_len, cfg.block_m), batch)
+    if workspace is None:  # NOTE: fp32 partials even where unread, so split and unsplit passes share one variant
+        assert num_splits == 1, "a split pass needs a workspace"
+        workspace = PrefillWorkspace.allocate(1, num_heads, head_dim, q.device)
+    assert num_splits == 1 or workspace.fits(q), "the workspace is too small for this pass"
+    assert num_splits <= workspace.partial_out.shape[0], f"num_splits {num_splits} > the workspace's"
+    part_out, part_lse = workspace
     if tma:
         _set_triton_allocator()
-    _prefill_kernel[grid](
-        q, k_new, v_new, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * LOG2E, num_heads // num_kv_heads, block_tables.shape[1], q.shape[0], num_heads,
+    _prefill_kernel[grid[0], grid[1], batch * num_splits](
+        q, k_new, v_new, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, part_out, part_lse,
+        scale * LOG2E, num_heads // num_kv_heads, max_blocks, q.shape[0], num_heads, num_splits,
         q.stride(0), k_new.stride(0), v_new.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         TMA=tma,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        MIN_TILES=MIN_SPLIT_TILES,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
+    if num_splits > 1:
+        merge_splits(
+            workspace, query_start_loc, seq_lens, max_blocks * block_size, out, num_splits, grid, cfg.block_m,
+            cfg.block_n,
+        )  # fmt: skip
 
 
 def paged_prefill_attention(
@@ -489,11 +541,14 @@ def paged_prefill_attention(
     max_query_len: int,  # host int: max of the query lengths (sizes the grid)
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written in place
+    num_splits: int = 1,  # programs per (head, query tile, sequence): see kernels/prefill_splits.py
+    workspace: PrefillWorkspace | None = None,  # a split pass's partials
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], q's dtype unless `out` says otherwise
     """Causal attention of each sequence's new queries over its cached prefix (paged) and its new tokens.
 
     The new tokens' K/V are read from k_new/v_new; the prefix's from kv_cache. Requires seq_lens[i] >=
-    query_len[i] and max_query_len >= every query length (shorter lengths leave rows unwritten).
+    query_len[i] and max_query_len >= every query length (shorter lengths leave rows unwritten). With
+    num_splits > 1 long prefixes are split, the partials going to `workspace` (allocated here when None).
     """
     _check_inputs(q, k_new, v_new, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len)
     if out is None:
@@ -503,9 +558,12 @@ def paged_prefill_attention(
         return out
     tma = tma_supported(q, k_new, v_new)
     cfg = choose_tile_config(q.shape[2], q.dtype, max_query_len)
+    if workspace is None:
+        workspace = PrefillWorkspace.allocate(q.shape[0] if num_splits > 1 else 1, q.shape[1], q.shape[2], q.device)
     launch_prefill_kernel(
-        q, k_new, v_new, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out, cfg, tma
-    )
+        q, k_new, v_new, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out, cfg, tma,
+        num_splits, workspace,
+    )  # fmt: skip
     return out
 
 

@@ -9,8 +9,9 @@ prefill kernel loads query tiles through TMA), while the decode kernel rotates i
 loads it. No rope kernel of its own: one launch per layer fewer, K read once.
 
 NOTE: forward() reads no device value on the host and, after the first decode pass, allocates nothing but
-its output, so the model runner can capture decode passes in CUDA graphs. The split-K workspace is sized
-once, for max_batch sequences, and never reallocated (a captured graph keeps pointing at it).
+its output, so the model runner can capture decode passes in CUDA graphs. The split-K workspaces are sized
+once (decode: max_batch sequences; prefill: SPLIT_MAX_TOKENS tokens) and never reallocated (a captured graph
+keeps pointing at them).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kernels.attention import AttentionMetadata, Rope
 from kernels.decode_attention import MAX_SPLITS, DecodeWorkspace, paged_decode_attention
 from kernels.kv_append import append_kv
 from kernels.prefill_attention import paged_prefill_attention
+from kernels.prefill_splits import SPLIT_MAX_TOKENS, PrefillWorkspace, choose_num_splits
 
 ROWS_NUM_SPLITS = 8
 """Split-K partitions of forward_rows' decode attention, fixed: a split count picked per pass (from the rows and
@@ -33,6 +35,8 @@ class _TritonPlan(NamedTuple):
     decode: bool
     """Every sequence has exactly one new token."""
     max_query_len: int
+    num_splits: int
+    """The prefill kernel's split programs (kernels/prefill_splits.py)."""
 
 
 class TritonAttention:
@@ -41,10 +45,13 @@ class TritonAttention:
     def __init__(self, max_batch: int = 256) -> None:
         self.max_batch = max_batch
         self._workspace: DecodeWorkspace | None = None
+        self._prefill_workspace: PrefillWorkspace | None = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
         max_q = meta.max_query_len
-        meta.plan = _TritonPlan(decode=max_q == 1 and min(meta.query_lens) == 1, max_query_len=max_q)
+        decode = max_q == 1 and min(meta.query_lens) == 1
+        num_splits = 1 if decode else choose_num_splits(sum(meta.query_lens), meta.max_prefix_len)
+        meta.plan = _TritonPlan(decode, max_q, num_splits)
 
     def forward(
         self,
@@ -69,7 +76,7 @@ class TritonAttention:
         k, q_rot = append_kv(k, v, kv_cache, meta.slot_mapping, positions, rope=tables, q=q if rope else None)
         return paged_prefill_attention(
             q if q_rot is None else q_rot, k, v, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            plan.max_query_len, scale,
+            plan.max_query_len, scale, num_splits=plan.num_splits, workspace=self._prefill_split_workspace(q),
         )  # fmt: skip
 
     def forward_rows(
@@ -104,6 +111,13 @@ class TritonAttention:
         if meta.slot_mapping is not None:
             return append_kv(k, v, kv_cache, meta.slot_mapping, positions, rope=tables)
         return append_kv(k, v, kv_cache, positions=meta.positions, block_tables=meta.block_tables, rope=tables)
+
+    def _prefill_split_workspace(self, q: torch.Tensor) -> PrefillWorkspace:
+        """Sized once for SPLIT_MAX_TOKENS tokens (a captured prefill graph keeps pointing at it)."""
+        ws = self._prefill_workspace
+        if ws is None or ws.partial_out.shape[2:] != q.shape[1:]:
+            ws = self._prefill_workspace = PrefillWorkspace.allocate(SPLIT_MAX_TOKENS, q.shape[1], q.shape[2], q.device)
+        return ws
 
     def _decode_workspace(self, q: torch.Tensor) -> DecodeWorkspace:
         batch, num_heads, head_dim = q.shape

@@ -4,6 +4,7 @@ tolerance."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -218,3 +219,42 @@ def test_overlapped_decode_steps_keep_their_inputs_on_a_busy_gpu(
     got = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert len(launched) >= NEW_TOKENS - 2, launched  # NOTE: the decode steps ran overlapped, each behind a stall
     assert got == expected
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_short_passes_after_long_cached_prefixes_split_and_match_hf_on_gpu(
+    tmp_path: Path, eager: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chat turns after a long cached history: two prompts of 2400 cached tokens plus 100 and 7 new ones run as
+    one split prefill pass (kernels/prefill_splits.py; graphed: the split variant of the 128-token graph) and
+    then decode; greedy tokens equal transformers' on the same GPU in fp32."""
+    import core.prefill_graphs
+    import kernels.triton_backend
+    from kernels.prefill_splits import NUM_SPLITS
+    from tests.models import make_tiny_llama
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    splits: list[int] = []
+
+    def recorded(choose: Callable[[int, int], int]) -> Callable[[int, int], int]:
+        def choose_and_record(num_tokens: int, max_prefix_len: int) -> int:
+            splits.append(choose(num_tokens, max_prefix_len))
+            return splits[-1]
+
+        return choose_and_record
+
+    for module in (core.prefill_graphs, kernels.triton_backend):
+        monkeypatch.setattr(module, "choose_num_splits", recorded(module.choose_num_splits))
+    model_dir = make_tiny_llama(tmp_path, seed=3, max_position_embeddings=4096)
+    cfg = EngineConfig(
+        ModelConfig.from_pretrained(model_dir), CacheConfig(num_blocks=1024), device="cuda", enforce_eager=eager
+    )
+    engine = Engine(cfg)
+    (history,) = random_prompts(1024, (2400,), seed=50)
+    prompts = [history + turn for turn in random_prompts(1024, (100, 7), seed=51)]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine.generate([history + [5]], params)  # caches the history's 150 blocks
+    splits.clear()
+    assert engine.generate(prompts, params) == hf_greedy_cuda(model_dir, prompts)[0]
+    assert NUM_SPLITS in splits
+    assert engine.pool.num_used_blocks == 0

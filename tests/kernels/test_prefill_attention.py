@@ -30,6 +30,13 @@ from kernels.prefill_attention import (
     paged_prefill_attention_ref,
     tma_supported,
 )
+from kernels.prefill_splits import (
+    NUM_SPLITS,
+    SPLIT_MAX_TOKENS,
+    SPLIT_MIN_PREFIX,
+    PrefillWorkspace,
+    choose_num_splits,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -74,9 +81,11 @@ CPU_CASES = [
     CpuCase([70, 2], [9, 0], num_heads=4, num_kv_heads=1, head_dim=16, block_size=4),  # two query tiles
     CpuCase([9, 3, 4, 5], [30, 31, 32, 62], num_heads=2, num_kv_heads=2, head_dim=16, block_size=8),
     CpuCase([40, 1, 77], [70, 130, 64], num_heads=4, num_kv_heads=1, head_dim=16, block_size=64),
+    CpuCase([3, 17, 1], [600, 333, 95], num_heads=4, num_kv_heads=1, head_dim=16, block_size=16),  # 7, 4, 1 splits
 ]
 """Small fp32 cases for the interpreter: GQA 1, 2 and 4, block sizes from 4 to 64 (above the 32-key tile),
-prefixes (some ending next to a tile boundary), query lengths 1, 0 and odd."""
+prefixes (some ending next to a tile boundary), query lengths 1, 0 and odd; each runs split (a pass of few
+tokens: prefixes of 2+ split ranges, kernels/prefill_splits.py) and unsplit."""
 
 
 def make_batch(
@@ -132,17 +141,24 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def run_kernel(batch: PagedBatch, scale: float, q: torch.Tensor | None = None, tma: bool | None = None) -> torch.Tensor:
+def run_kernel(
+    batch: PagedBatch,
+    scale: float,
+    q: torch.Tensor | None = None,
+    tma: bool | None = None,
+    num_splits: int = 1,
+) -> torch.Tensor:
     """The kernel over the cache without the new tokens' K/V; tma=None lets paged_prefill_attention choose."""
     q = batch.q if q is None else q
     out = torch.full_like(q, math.nan)
     args = (batch.block_tables, batch.query_start_loc, batch.seq_lens, batch.max_query_len, scale, out)
     cache = batch.cache_without_new_tokens()
     if tma is None:
-        paged_prefill_attention(q, batch.k_new, batch.v_new, cache, *args)
+        paged_prefill_attention(q, batch.k_new, batch.v_new, cache, *args, num_splits=num_splits)
     elif batch.max_query_len > 0:
         cfg = choose_tile_config(q.shape[2], q.dtype, batch.max_query_len)
-        launch_prefill_kernel(q, batch.k_new, batch.v_new, cache, *args, cfg, tma)
+        workspace = PrefillWorkspace.allocate(q.shape[0], q.shape[1], q.shape[2], q.device)
+        launch_prefill_kernel(q, batch.k_new, batch.v_new, cache, *args, cfg, tma, num_splits, workspace)
     return out
 
 
@@ -154,9 +170,11 @@ def reference(batch: PagedBatch, scale: float) -> torch.Tensor:
     return paged_prefill_attention_ref(q, kv_cache, batch.block_tables, batch.query_start_loc, batch.seq_lens, scale)
 
 
-def assert_matches_reference(batch: PagedBatch, q: torch.Tensor | None = None, tma: bool | None = None) -> None:
+def assert_matches_reference(
+    batch: PagedBatch, q: torch.Tensor | None = None, tma: bool | None = None, num_splits: int = 1
+) -> None:
     scale = batch.q.shape[2] ** -0.5
-    out = run_kernel(batch, scale, q, tma)
+    out = run_kernel(batch, scale, q, tma, num_splits)
     assert not out.isnan().any(), "some output element was not written (or read an unwritten cache slot)"
     err = relative_error(out, reference(batch, scale))
     assert err < TOLERANCE[batch.q.dtype], f"relative error {err:.3g}"
@@ -167,6 +185,7 @@ def check_cpu_cases() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     for i, case in enumerate(CPU_CASES):
         batch = make_batch(*case, dtype=torch.float32, device="cpu", seed=i)
+        assert_matches_reference(batch, num_splits=NUM_SPLITS)
         assert_matches_reference(batch)
     # q as a strided view of a fused qkv projection, as the model hands it over
     case = CPU_CASES[1]
@@ -350,3 +369,61 @@ def test_cuda_graph_replay_follows_new_lengths_on_gpu() -> None:
     torch.cuda.synchronize()
     err = relative_error(out, reference(second, scale))
     assert err < TOLERANCE[torch.bfloat16], f"relative error {err:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    ("query_lens", "prefix_lens"),
+    [([100], [8000]), ([1, 37, 200], [5000, 3000, 64]), ([17, 1, 3, 5], [129, 128, 127, 0]), ([256], [4096])],
+)
+def test_short_passes_over_long_prefixes_match_reference_split_and_unsplit_on_gpu(
+    dtype: torch.dtype, query_lens: list[int], prefix_lens: list[int]
+) -> None:
+    """Prefix hits and chat turns: few new tokens (a split pass) after long cached prefixes, prefixes of one
+    split (under 2 * MIN_SPLIT_TILES tiles) beside ones of many; the same batch unsplit."""
+    batch = make_batch(query_lens, prefix_lens, 32, 8, 64, 16, dtype, "cuda", seed=12)
+    assert_matches_reference(batch, num_splits=NUM_SPLITS)
+    assert_matches_reference(batch)
+
+
+def test_passes_split_when_few_tokens_follow_a_long_prefix() -> None:
+    assert choose_num_splits(SPLIT_MAX_TOKENS, SPLIT_MIN_PREFIX) == NUM_SPLITS > 1
+    assert choose_num_splits(1, 100_000) == NUM_SPLITS
+    assert choose_num_splits(SPLIT_MAX_TOKENS + 1, 100_000) == 1  # enough query tiles to fill the GPU
+    assert choose_num_splits(104, SPLIT_MIN_PREFIX - 1) == 1  # the surplus programs would cost more than splits save
+
+
+@pytest.mark.gpu
+def test_cuda_graph_of_a_split_pass_follows_new_prefix_lengths_on_gpu() -> None:
+    """The split ranges are derived on the device: a captured split pass replayed over other prefix lengths
+    (a sequence's split count going from 1 to many and back) gives the new answer."""
+    first = make_batch([40, 24], [1000, 0], 8, 2, 64, 16, torch.bfloat16, "cuda", seed=14)
+    second = make_batch([24, 40], [0, 1000], 8, 2, 64, 16, torch.bfloat16, "cuda", seed=15)
+    assert all(a.shape == b.shape for a, b in zip(first[:7], second[:7], strict=True))
+    scale = 64**-0.5
+    out = torch.full_like(first.q, math.nan)
+    workspace = PrefillWorkspace.allocate(SPLIT_MAX_TOKENS, 8, 64, "cuda")
+    inputs = [t.clone() for t in first[:7]]
+    inputs[3] = first.cache_without_new_tokens()
+
+    def launch() -> None:
+        q, k_new, v_new, kv_cache, tables, starts, seq_lens = inputs
+        paged_prefill_attention(
+            q, k_new, v_new, kv_cache, tables, starts, seq_lens, 40, scale, out, NUM_SPLITS, workspace
+        )  # fmt: skip
+
+    launch()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for batch in (second, first):
+        for i, (buffer, new) in enumerate(zip(inputs, batch[:7], strict=True)):
+            buffer.copy_(batch.cache_without_new_tokens() if i == 3 else new)
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        err = relative_error(out, reference(batch, scale))
+        assert err < TOLERANCE[torch.bfloat16], f"relative error {err:.3g}"
