@@ -1,0 +1,75 @@
+"""The attention kernels compile for Hopper (sm_90) on a machine without a GPU, ahead of time, and the 16-bit
+prefill kernel keeps its fast path there (TMA loads, warpgroup MMAs).
+
+The Triton interpreter runs the kernels' logic on the CPU but not Triton's compiler: a kernel can pass every
+interpreter test and still fail to compile (a Python int global read inside a jit function did). Triton ships
+ptxas, so `triton.compile` for a GPUTarget needs no device. Signatures here leave out the alignment hints a
+launch adds, so this checks compiling, not the exact variant a GPU builds.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import kernels.decode_attention as decode_attention  # noqa: E402
+import kernels.prefill_attention as prefill_attention  # noqa: E402
+import kernels.prefill_splits as prefill_splits  # noqa: E402
+
+SM90 = GPUTarget("cuda", 90, 32)
+INT_POINTERS = ("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr")
+FP32_POINTERS = ("part_out_ptr", "part_lse_ptr")
+
+
+def compile_sm90(fn: Any, dtype: str, constexprs: dict[str, Any], **options: int) -> str:
+    """PTX of fn for sm_90: pointers by name (int32 tables, fp32 partials, `dtype` data), fp32 scales, i32 ints."""
+    signature = {}
+    for name in inspect.signature(fn.fn).parameters:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*i32" if name in INT_POINTERS else "*fp32" if name in FP32_POINTERS else f"*{dtype}"
+        else:
+            signature[name] = "fp32" if name.endswith("scale") else "i32"
+    kernel = triton.compile(ASTSource(fn, signature, constexprs), target=SM90, options=options)
+    return str(kernel.asm["ptx"])
+
+
+PREFILL = dict(HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_M=64, MIN_TILES=prefill_splits.MIN_SPLIT_TILES)
+
+
+def test_bf16_prefill_kernel_compiles_for_sm90_with_tma_and_warpgroup_mma() -> None:
+    consts = dict(PREFILL, BLOCK_N=64, TMA=True, DOT_PRECISION="tf32")
+    ptx = compile_sm90(prefill_attention._prefill_kernel, "bf16", consts, num_warps=4, num_stages=2)
+    assert "cp.async.bulk.tensor" in ptx, "the new tokens' q/K/V no longer load through TMA"
+    assert "wgmma.mma_async" in ptx, "the dots no longer run as warpgroup MMAs"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_prefill_kernel_compiles_for_sm90_with_pointer_loads(dtype: str) -> None:
+    precision, block_n = ("ieee", 32) if dtype == "fp32" else ("tf32", 64)
+    consts = dict(PREFILL, BLOCK_N=block_n, TMA=False, DOT_PRECISION=precision)
+    ptx = compile_sm90(prefill_attention._prefill_kernel, dtype, consts, num_warps=4, num_stages=2)
+    assert "cp.async.bulk.tensor" not in ptx
+
+
+def test_split_merge_kernel_compiles_for_sm90() -> None:
+    consts = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, MIN_TILES=prefill_splits.MIN_SPLIT_TILES)
+    assert ".entry _merge_kernel" in compile_sm90(prefill_splits._merge_kernel, "bf16", consts, num_warps=4)
+
+
+@pytest.mark.parametrize(("split", "rope"), [(False, True), (True, False)])
+def test_decode_kernels_compile_for_sm90(split: bool, rope: bool) -> None:
+    consts = dict(
+        GROUP=4, GROUP_PAD=16, HEAD_DIM=64, BLOCK_SIZE=16, TILE_N=128, SPLIT=split, ROPE=rope, DOT_PRECISION="tf32"
+    )
+    assert ".entry _decode_stage1" in compile_sm90(decode_attention._decode_stage1, "bf16", consts, num_warps=4)
+    stage2 = compile_sm90(decode_attention._decode_stage2, "bf16", dict(HEAD_DIM=64, SPLITS_PAD=8), num_warps=4)
+    assert ".entry _decode_stage2" in stage2
