@@ -1,5 +1,5 @@
-"""The attention kernels compile for Hopper (sm_90) on a machine without a GPU, ahead of time, and the 16-bit
-prefill kernel keeps its fast path there (TMA loads, warpgroup MMAs).
+"""The attention and KV-append kernels compile for Hopper (sm_90) on a machine without a GPU, ahead of time, and
+the 16-bit prefill kernel keeps its fast path there (TMA loads, warpgroup MMAs).
 
 The Triton interpreter runs the kernels' logic on the CPU but not Triton's compiler: a kernel can pass every
 interpreter test and still fail to compile (a Python int global read inside a jit function did). Triton ships
@@ -20,6 +20,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import kernels.decode_attention as decode_attention  # noqa: E402
+import kernels.kv_append as kv_append  # noqa: E402
 import kernels.prefill_attention as prefill_attention  # noqa: E402
 import kernels.prefill_splits as prefill_splits  # noqa: E402
 
@@ -28,12 +29,17 @@ INT_POINTERS = ("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr")
 FP32_POINTERS = ("part_out_ptr", "part_lse_ptr")
 
 
-def compile_sm90(fn: Any, dtype: str, constexprs: dict[str, Any], **options: int) -> str:
-    """PTX of fn for sm_90: pointers by name (int32 tables, fp32 partials, `dtype` data), fp32 scales, i32 ints."""
+def compile_sm90(
+    fn: Any, dtype: str, constexprs: dict[str, Any], types: dict[str, str] | None = None, **options: Any
+) -> str:
+    """PTX of fn for sm_90: pointers by name (int32 tables, fp32 partials, `dtype` data) unless `types` names
+    them, fp32 scales, i32 ints."""
     signature = {}
     for name in inspect.signature(fn.fn).parameters:
         if name in constexprs:
             signature[name] = "constexpr"
+        elif types and name in types:
+            signature[name] = types[name]
         elif name.endswith("_ptr"):
             signature[name] = "*i32" if name in INT_POINTERS else "*fp32" if name in FP32_POINTERS else f"*{dtype}"
         else:
@@ -73,3 +79,14 @@ def test_decode_kernels_compile_for_sm90(split: bool, rope: bool) -> None:
     assert ".entry _decode_stage1" in compile_sm90(decode_attention._decode_stage1, "bf16", consts, num_warps=4)
     stage2 = compile_sm90(decode_attention._decode_stage2, "bf16", dict(HEAD_DIM=64, SPLITS_PAD=8), num_warps=4)
     assert ".entry _decode_stage2" in stage2
+
+
+@pytest.mark.parametrize(("mode", "rope_q"), [(0, True), (1, False), (2, False)], ids=["slots", "positions", "one"])
+def test_kv_append_compiles_for_sm90(mode: int, rope_q: bool) -> None:
+    consts = dict(
+        NUM_KV_HEADS=8, HEAD_DIM=64, ROW_PAD=512, BLOCK_SIZE=16, MODE=mode, ROPE=True, HEADS_PAD=8, D_PAD=64,
+        ROPE_Q=rope_q, NUM_HEADS=32, Q_HEADS_PAD=32,
+    )  # fmt: skip
+    longs = {"index_ptr": "*i64", "positions_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    ptx = compile_sm90(kv_append._append_kv, "bf16", consts, longs, num_warps=4, enable_fp_fusion=False)
+    assert ".entry _append_kv" in ptx
