@@ -38,6 +38,7 @@ import triton.language as tl
 from kernels.prefill_splits import (
     MIN_SPLIT_TILES,
     PrefillWorkspace,
+    cached_prefix_len,
     merge_splits,
     split_range,
     store_partial,
@@ -138,9 +139,7 @@ def _prefill_kernel(
     start_m = m_tile * BLOCK_M
     if start_m >= q_len:
         return
-    # NOTE: a length beyond the block table is clamped, so no read leaves the table.
-    seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_blocks * BLOCK_SIZE)
-    ctx_len = tl.maximum(seq_len - q_len, 0)  # cached prefix before the first query
+    ctx_len = cached_prefix_len(seq_lens_ptr, seq, q_len, max_blocks * BLOCK_SIZE)
     used, lo, hi = split_range(ctx_len, split, num_splits, BLOCK_N, MIN_TILES)
     if split >= used:
         return

@@ -65,6 +65,13 @@ def choose_num_splits(num_tokens: int, max_prefix_len: int) -> int:
 
 
 @triton.jit
+def cached_prefix_len(seq_lens_ptr, seq, q_len, max_seq_len):
+    """Tokens of the sequence before its first query; seq_len is clamped to the block table's capacity
+    (max_seq_len), so no read leaves the table. The prefill and merge kernels must agree on it."""
+    return tl.maximum(tl.minimum(tl.load(seq_lens_ptr + seq), max_seq_len) - q_len, 0)
+
+
+@triton.jit
 def split_range(ctx_len, split, num_splits, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr):
     """(splits used, first key, end key) of `split`'s share of a ctx_len-token cached prefix.
 
@@ -110,7 +117,7 @@ def _merge_kernel(
     seq_lens_ptr,  # [batch] int32
     out_ptr,  # [num_tokens, num_heads, head_dim]
     num_splits,
-    max_seq_len,  # the block table's capacity in tokens: seq_lens are clamped to it, as the prefill kernel does
+    max_seq_len,  # the block table's capacity in tokens (see cached_prefix_len)
     stride_ps,
     stride_pt,
     stride_ph,
@@ -130,7 +137,7 @@ def _merge_kernel(
     start_m = tl.program_id(1) * BLOCK_M
     if start_m >= q_len:
         return
-    ctx_len = tl.maximum(tl.minimum(tl.load(seq_lens_ptr + seq), max_seq_len) - q_len, 0)
+    ctx_len = cached_prefix_len(seq_lens_ptr, seq, q_len, max_seq_len)
     used, _, _ = split_range(ctx_len, 0, num_splits, BLOCK_N, MIN_TILES)
     if used == 1:  # the one split wrote the output itself
         return
