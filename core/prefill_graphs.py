@@ -32,14 +32,14 @@ from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows
 from kernels.pass_inputs import fill_positions_slots
 from kernels.prefill_splits import SPLIT_MAX_TOKENS, SPLIT_MIN_PREFIX, choose_num_splits
 
-PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, *range(512, 1536, 128), *range(1536, 4097, 256))
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, *range(512, 2048, 64), *range(2048, 4097, 32))
 """Token counts a graph may be captured at; a pass of more tokens than the largest captured runs eagerly.
 
-NOTE: steps of 128 tokens from 512 and of 256 from 1536 (a graph captures in ~30 ms once the kernels are
-compiled, and all share one memory pool). With sizes 1024, 1536, 2048, 3072, 4096 a 2100-token prompt ran the
-3072 graph: on an H200 (1B Llama shape, same process) 1100 / 2100 / 3100 tokens took 5.56 / 10.88 / 14.81 ms,
-with steps of 256 from 1024 4.69 / 8.51 / 12.88 ms. Steps of 128 beyond 1536 gained nothing there (cuBLAS tiles
-of 256 rows: 3200 rows ran no faster than 3328), below it 1100 tokens took 4.38-4.47 ms against 4.82 ms."""
+NOTE: padding tokens cost GEMM time (H100, 1B Llama shape, one process: 4000 tokens took 16.60 / 16.42 ms on a
+4096-token graph, 16.54 / 16.26 on 4032, 16.30 / 16.30 on 4000: ~2 us a padding token), so the steps are 32
+tokens from 2048 (at most 1.5% padding) and 64 from 512. The 97 graphs of a 4096-token budget capture in
+2.2-3.3 s (30 graphs in steps of 256: 0.7-1.0 s) and take 310 MiB of pool (372 before): all share one memory
+pool and one logits buffer, so a graph holds no memory of its own."""
 PREFILL_GRAPH_SEQS = 8
 """Sequences a graphed pass holds at most; a pass of more runs eagerly."""
 
@@ -82,8 +82,9 @@ class PrefillGraphs:
         self.ints_cpu[self._rows_at : self._rows_at + s + 1] = torch.arange(s + 1)  # NOTE: one query per row
         self.longs, self.ints = self.longs_cpu.to(device), self.ints_cpu.to(device)
         self.token_places = torch.zeros(2, t, dtype=torch.int64, device=device)  # [positions; slots]
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (size, split)
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, split)
         self._pool = torch.cuda.graph_pool_handle()
+        self.logits: torch.Tensor | None = None  # [PREFILL_GRAPH_SEQS, vocab] float32: every graph's output
         self._copied = torch.cuda.Event()  # recorded after each load's copies out of the pinned staging
 
     @property
@@ -100,16 +101,20 @@ class PrefillGraphs:
             for split in (False, True) if size <= SPLIT_MAX_TOKENS else (False,):
                 self._graphs[size, split] = self._capture_one(size, split)
 
-    def _capture_one(self, size: int, split: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_one(self, size: int, split: bool) -> torch.cuda.CUDAGraph:
+        """NOTE: the graph copies its logits into the one shared buffer, so its own output is pool memory the
+        next capture reuses (a [8, 128256] float32 output each would hold 4 MB per graph)."""
         self._load(_padding_inputs(), size)  # NOTE: all padding: warm-up and capture write only the null block
         args = self._views(size, split)
         self.backend.prepare(args[2])
-        self._forward(*args)  # warm-up: compiles kernels
+        warm = self._forward(*args)  # warm-up: compiles kernels
+        if self.logits is None:
+            self.logits = torch.empty_like(warm)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._forward(*args)  # [PREFILL_GRAPH_SEQS, vocab]
-        return graph, logits
+            self.logits.copy_(self._forward(*args))  # [PREFILL_GRAPH_SEQS, vocab]
+        return graph
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         assert meta.slot_mapping is not None
@@ -124,9 +129,9 @@ class PrefillGraphs:
         max_prefix = int((host.seq_lens - np.diff(host.query_start)).max(initial=0))
         split = (size, True) in self._graphs and choose_num_splits(len(host.ids), max_prefix) > 1
         self._load(host, size)
-        graph, logits = self._graphs[size, split]
-        graph.replay()
-        return logits[: len(host.logits_idx)]
+        self._graphs[size, split].replay()
+        assert self.logits is not None
+        return self.logits[: len(host.logits_idx)]
 
     def _load(self, host: HostInputs, size: int) -> None:
         """Stage host into the pinned buffers and copy them to the device (asynchronously).

@@ -21,6 +21,11 @@ class MergedLinear(nn.Linear):
         self.shards = shards  # part name -> output rows, in stacking order
         self.splits = list(shards.values())
 
+    def rows(self, x: torch.Tensor, start: int, stop: int | None = None) -> torch.Tensor:
+        """The projection onto output rows [start, stop) of the stacked weight alone (one part's GEMM)."""
+        bias = None if self.bias is None else self.bias[start:stop]
+        return F.linear(x, self.weight[start:stop], bias)
+
     def shard_rows(self, part: str) -> tuple[int, int]:
         """(first row, rows) of a part in the stacked weight."""
         names = list(self.shards)

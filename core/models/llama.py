@@ -64,16 +64,26 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
         rows: OutputRows | None,
     ) -> torch.Tensor:  # [num_tokens, hidden], or [num_rows, hidden] for the rows alone
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.splits, dim=-1)  # [num_tokens, (heads | kv_heads) * d]
-        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim], rows strided
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, kv_heads, head_dim]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
         # NOTE: the backend applies rope inside its kernels (the KV append and the attention's q loads)
         if rows is None:
-            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, rope)
-        else:
-            out = self.backend.forward_rows(q[rows.index], k, v, kv_cache, meta, self.scale, rope)
+            q, k, v = self.qkv_proj(x).split(self.qkv_proj.splits, dim=-1)  # [num_tokens, (heads | kv_heads) * d]
+            out = self.backend.forward(*self._heads(q, k, v), kv_cache, meta, self.scale, rope)
+        else:  # NOTE: every token's K/V goes to the cache, but only the rows need q (2/3 of the qkv GEMM)
+            q_size = self.qkv_proj.splits[0]
+            k, v = self.qkv_proj.rows(x, q_size).split(self.qkv_proj.splits[1:], dim=-1)
+            q = self.qkv_proj.rows(x[rows.index], 0, q_size)  # [num_rows, heads * d]
+            out = self.backend.forward_rows(*self._heads(q, k, v), kv_cache, meta, self.scale, rope)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+    def _heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[n, heads * d] -> [n, heads, d] views (rows strided when they are parts of one GEMM's output)."""
+        return (
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
+            v.view(-1, self.num_kv_heads, self.head_dim),
+        )
 
 
 class LlamaMLP(nn.Module):
