@@ -99,8 +99,10 @@ def make_batch(
     device: str,
     seed: int = 0,
     poison: bool = True,
+    key_ramp: float = 0.0,
 ) -> PagedBatch:
-    """Random q and K/V for sequences of prefix + query tokens, on shuffled blocks (never the null block)."""
+    """Random q and K/V for sequences of prefix + query tokens, on shuffled blocks (never the null block); keys
+    at position p scaled by 1 + key_ramp * p."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + n for p, n in zip(prefix_lens, query_lens, strict=True)]
     num_seq_blocks = [math.ceil(s / block_size) for s in seq_lens]
@@ -115,9 +117,9 @@ def make_batch(
         tables[i, :n] = block_ids[used : used + n].int()
         used += n
         pos = torch.arange(seq_len)
-        kv_cache[:, tables[i, pos // block_size].long(), pos % block_size] = torch.randn(
-            2, seq_len, num_kv_heads, head_dim, generator=gen
-        )
+        kv = torch.randn(2, seq_len, num_kv_heads, head_dim, generator=gen)
+        kv[0] *= (1 + key_ramp * pos)[:, None, None]
+        kv_cache[:, tables[i, pos // block_size].long(), pos % block_size] = kv
         new_pos = pos[prefix_lens[i] :]
         new_slots.append(tables[i, new_pos // block_size].long() * block_size + new_pos % block_size)
     slots = torch.cat(new_slots) if new_slots else torch.zeros(0, dtype=torch.int64)
@@ -185,6 +187,13 @@ def check_cpu_cases() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     for i, case in enumerate(CPU_CASES):
         batch = make_batch(*case, dtype=torch.float32, device="cpu", seed=i)
+        assert_matches_reference(batch, num_splits=NUM_SPLITS)
+        assert_matches_reference(batch)
+    # scores that grow along the keys by far more than fp32's exp2 range (2^128): a kernel that did not rescale its
+    # accumulator as a row's max grows would overflow (checked: one that rescales only on its first tile fails)
+    for i, case in enumerate(CPU_CASES[:3]):
+        batch = make_batch(*case, dtype=torch.float32, device="cpu", seed=20 + i, key_ramp=2.0)
+        batch = batch._replace(q=batch.q * 4)
         assert_matches_reference(batch, num_splits=NUM_SPLITS)
         assert_matches_reference(batch)
     # q as a strided view of a fused qkv projection, as the model hands it over
@@ -383,6 +392,17 @@ def test_short_passes_over_long_prefixes_match_reference_split_and_unsplit_on_gp
     """Prefix hits and chat turns: few new tokens (a split pass) after long cached prefixes, prefixes of one
     split (under 2 * MIN_SPLIT_TILES tiles) beside ones of many; the same batch unsplit."""
     batch = make_batch(query_lens, prefix_lens, 32, 8, 64, 16, dtype, "cuda", seed=12)
+    assert_matches_reference(batch, num_splits=NUM_SPLITS)
+    assert_matches_reference(batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scores_growing_along_the_keys_match_reference_on_gpu(dtype: torch.dtype) -> None:
+    """Each row's max keeps growing along the keys (by tens in log2 over a sequence), so the online softmax
+    rescales tile after tile; split and unsplit, new keys through TMA and cached prefixes."""
+    batch = make_batch([300, 900, 5], [0, 200, 3000], 32, 8, 64, 16, dtype, "cuda", seed=13, key_ramp=0.01)
+    batch = batch._replace(q=batch.q * 2)
     assert_matches_reference(batch, num_splits=NUM_SPLITS)
     assert_matches_reference(batch)
 
