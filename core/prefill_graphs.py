@@ -22,6 +22,7 @@ to SPLIT_MAX_TOKENS have a second graph whose prefill attention splits long cach
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -74,13 +75,19 @@ class PrefillGraphs:
         self.max_blocks = max_blocks
         self.sizes = graph_token_sizes(max_tokens)
         t, s = self.sizes[-1], PREFILL_GRAPH_SEQS
-        # [ids; logits_idx], then as one int32 buffer [query_start; seq_lens; tables] of the sequences and
-        # [query_start; seq_lens; tables] of the logits rows (one row per sequence slot); [positions; slots] are
+        # int64 [ids; logits_idx], then int32 [query_start; seq_lens; tables] of the sequences and of the logits
+        # rows (one row per sequence slot), in one byte buffer: one copy per pass; [positions; slots] are
         # written on the device
-        self.longs_cpu = torch.zeros(t + s, dtype=torch.int64, pin_memory=True)
-        self.ints_cpu = torch.zeros(2 * (2 * s + 1 + s * max_blocks), dtype=torch.int32, pin_memory=True)
+        longs_bytes = -(-(t + s) * 8 // 64) * 64  # NOTE: the int32 part starts 64-byte aligned
+        ints_bytes = 4 * 2 * (2 * s + 1 + s * max_blocks)
+        staging_cpu = torch.zeros(longs_bytes + ints_bytes, dtype=torch.uint8, pin_memory=True)
+        self.longs_cpu = staging_cpu[: (t + s) * 8].view(torch.int64)
+        self.ints_cpu = staging_cpu[longs_bytes:].view(torch.int32)
         self.ints_cpu[self._rows_at : self._rows_at + s + 1] = torch.arange(s + 1)  # NOTE: one query per row
-        self.longs, self.ints = self.longs_cpu.to(device), self.ints_cpu.to(device)
+        self._longs_np, self._ints_np = self.longs_cpu.numpy(), self.ints_cpu.numpy()  # views of the staging
+        self.staging_cpu, self.staging = staging_cpu, staging_cpu.to(device)
+        self.longs = self.staging[: (t + s) * 8].view(torch.int64)
+        self.ints = self.staging[longs_bytes:].view(torch.int32)
         self.token_places = torch.zeros(2, t, dtype=torch.int64, device=device)  # [positions; slots]
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, split)
         self._pool = torch.cuda.graph_pool_handle()
@@ -125,7 +132,7 @@ class PrefillGraphs:
 
     def run(self, host: HostInputs) -> torch.Tensor:  # [num_sampling, vocab] float32, a view of the graph's output
         """Load a pass (fits() must hold) and replay the graph of the smallest size that holds it."""
-        size = next(s for s in self.sizes if s >= len(host.ids))
+        size = self.sizes[bisect.bisect_left(self.sizes, len(host.ids))]  # NOTE: ~100 sizes: no linear scan
         max_prefix = int((host.seq_lens - np.diff(host.query_start)).max(initial=0))
         split = (size, True) in self._graphs and choose_num_splits(len(host.ids), max_prefix) > 1
         self._load(host, size)
@@ -141,7 +148,7 @@ class PrefillGraphs:
         """
         self._copied.synchronize()
         t, s, n, b = self.sizes[-1], PREFILL_GRAPH_SEQS, len(host.ids), len(host.seq_lens)
-        longs, ints = self.longs_cpu.numpy(), self.ints_cpu.numpy()
+        longs, ints = self._longs_np, self._ints_np
         rows_at, num_rows = self._rows_at, len(host.row_seqs)
         longs[:n] = host.ids
         longs[n:size] = 0
@@ -154,8 +161,7 @@ class PrefillGraphs:
             ints[rows_at + s + 1 :] = ints[s + 1 : rows_at]
         else:
             self._load_seqs(ints[rows_at + s + 1 :], host.seq_lens[host.row_seqs], host.tables[host.row_seqs])
-        self.longs.copy_(self.longs_cpu, non_blocking=True)
-        self.ints.copy_(self.ints_cpu, non_blocking=True)
+        self.staging.copy_(self.staging_cpu, non_blocking=True)
         self._copied.record()
 
     def _load_seqs(self, part: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray) -> None:
