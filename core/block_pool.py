@@ -11,10 +11,11 @@ import sys
 from array import array
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import xxhash
+
+from core.messages import KV_REMOVED, KV_STORED
 
 NULL_BLOCK_ID = 0
 """Padding block: never allocated, never freed, never cached."""
@@ -35,21 +36,12 @@ class NoFreeBlocksError(RuntimeError):
     """allocate asked for more blocks than are free; the pool is unchanged."""
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """A block was registered under block_hash (prefix cache gained an entry)."""
+BlockEvent = tuple[int, int]
+"""(KV_STORED, hash): a block was registered under hash; (KV_REMOVED, hash): hash left the prefix cache (its
+block was reused or the cache was reset). The wire form of KvEventBatchEvent.events, kept as is.
 
-    block_hash: int
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """block_hash left the prefix cache (its block was reused or the cache was reset)."""
-
-    block_hash: int
-
-
-BlockEvent = BlockStored | BlockRemoved
+NOTE: plain tuples: a 4000-token prompt on a full cache evicts 250 blocks before its pass and registers 250
+after it; a frozen dataclass per event cost ~0.44 us each on the CPU VM."""
 
 
 def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
@@ -159,11 +151,15 @@ class BlockPool:
         nxt[self._sentinel] = block_id
         self._prev[block_id] = self._sentinel
         self._num_free -= n
-        if hashed:
+        if hashed:  # NOTE: _drop_hash inlined: on a full cache every allocated block evicts one
+            block_of_hash, removed = self._block_of_hash, []
             for block_id in block_ids:
-                if block_id in hashed:
-                    self._drop_hash(block_id)
-                    self.num_evictions += 1
+                block_hash = hashed.pop(block_id, None)
+                if block_hash is not None:
+                    del block_of_hash[block_hash]
+                    removed.append((KV_REMOVED, block_hash))
+            self.num_evictions += len(removed)
+            self._record_all(removed)
         return block_ids
 
     def touch(self, block_ids: Sequence[int]) -> None:
@@ -213,20 +209,33 @@ class BlockPool:
         Returns False, keeping the existing entry, when another block already has this hash.
         Raises ValueError if the block is not held or already holds a different hash.
         """
-        self._check_id(block_id)
-        current = self._hash_of_block.get(block_id)
-        if current == block_hash:
-            return True
-        if current is not None:
-            raise ValueError(f"block {block_id} already cached under another hash")
-        if self._ref_cnts[block_id] == 0:
-            raise ValueError(f"block {block_id} is free; only a held block can be cached")
-        if block_hash in self._block_of_hash:
-            return False
-        self._block_of_hash[block_hash] = block_id
-        self._hash_of_block[block_id] = block_hash
-        self._record(BlockStored(block_hash))
-        return True
+        self.cache_blocks((block_id,), (block_hash,))
+        return self._hash_of_block.get(block_id) == block_hash
+
+    def cache_blocks(self, block_ids: Sequence[int], block_hashes: Sequence[int]) -> None:
+        """cache_block for each pair in order (pairs before a ValueError stay registered).
+
+        NOTE: one loop with locals: a 4000-token prompt registers 250 blocks (CPU VM: 138 -> 60 us)."""
+        if block_ids and not (min(block_ids) > NULL_BLOCK_ID and max(block_ids) < self.num_blocks):
+            for block_id in block_ids:
+                self._check_id(block_id)
+        hash_of_block, block_of_hash, refs = self._hash_of_block, self._block_of_hash, self._ref_cnts
+        stored: list[BlockEvent] = []
+        try:
+            for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+                current = hash_of_block.get(block_id)
+                if current == block_hash:
+                    continue
+                if current is not None:
+                    raise ValueError(f"block {block_id} already cached under another hash")
+                if refs[block_id] == 0:
+                    raise ValueError(f"block {block_id} is free; only a held block can be cached")
+                if block_hash not in block_of_hash:
+                    block_of_hash[block_hash] = block_id
+                    hash_of_block[block_id] = block_hash
+                    stored.append((KV_STORED, block_hash))
+        finally:
+            self._record_all(stored)
 
     def lookup(self, block_hash: int) -> int | None:
         """The block cached under block_hash, or None."""
@@ -291,9 +300,11 @@ class BlockPool:
     def _drop_hash(self, block_id: int) -> None:
         block_hash = self._hash_of_block.pop(block_id)
         del self._block_of_hash[block_hash]
-        self._record(BlockRemoved(block_hash))
+        self._record_all(((KV_REMOVED, block_hash),))
 
-    def _record(self, event: BlockEvent) -> None:
-        if len(self._events) == self._events.maxlen:
-            self.num_dropped_events += 1  # NOTE: the deque drops its oldest event on this append
-        self._events.append(event)
+    def _record_all(self, events: Sequence[BlockEvent]) -> None:
+        """Append events, oldest first; the bounded deque drops as many of its oldest as overflow."""
+        events_q = self._events
+        assert events_q.maxlen is not None
+        self.num_dropped_events += max(0, len(events_q) + len(events) - events_q.maxlen)
+        events_q.extend(events)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import zmq
 
 from core import ipc
-from core.block_pool import BlockEvent, BlockPool, BlockStored
-from core.messages import KV_REMOVED, KV_STORED, KvEventBatchEvent, KvSnapshotEvent, encode
+from core.block_pool import BlockEvent, BlockPool
+from core.messages import KvEventBatchEvent, KvSnapshotEvent, encode
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,7 @@ def next_seq(seq: int, num_dropped: int) -> int:
 
 def make_batch(origin: KvOrigin, seq: int, events: Sequence[BlockEvent]) -> KvEventBatchEvent:
     """One batch of pool events, oldest first, in wire form."""
-    pairs = [(KV_STORED if isinstance(e, BlockStored) else KV_REMOVED, e.block_hash) for e in events]
-    return KvEventBatchEvent(origin.role, origin.worker_id, origin.incarnation, seq, origin.block_size, pairs)
+    return KvEventBatchEvent(origin.role, origin.worker_id, origin.incarnation, seq, origin.block_size, list(events))
 
 
 class KvEventPublisher:

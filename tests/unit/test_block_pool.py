@@ -18,12 +18,11 @@ from core.block_pool import (
     NULL_BLOCK_ID,
     ROOT_PARENT_HASH,
     BlockPool,
-    BlockRemoved,
-    BlockStored,
     NoFreeBlocksError,
     hash_block_tokens,
     hash_full_blocks,
 )
+from core.messages import KV_REMOVED, KV_STORED
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -215,7 +214,7 @@ def test_cache_block_duplicate_hash_keeps_first() -> None:
     assert pool.lookup(77) == 1 and pool.block_hash(2) is None
     assert pool.cache_block(1, 77) is True  # same block, same hash: no-op
     assert pool.num_cached_blocks == 1
-    assert pool.drain_events() == [BlockStored(77)]
+    assert pool.drain_events() == [(KV_STORED, 77)]
 
 
 def test_cache_block_rejects_second_hash_free_and_null_blocks() -> None:
@@ -282,7 +281,7 @@ def test_drain_events_in_order_and_empties() -> None:
     pool.free(blocks[::-1])  # queue: [3, 2, 1]
     pool.allocate(2)  # pops 3 (uncached) and 2 (evicts 200)
     pool.cache_block(3, 300)
-    assert pool.drain_events() == [BlockStored(100), BlockStored(200), BlockRemoved(200), BlockStored(300)]
+    assert pool.drain_events() == [(KV_STORED, 100), (KV_STORED, 200), (KV_REMOVED, 200), (KV_STORED, 300)]
     assert pool.drain_events() == []
 
 
@@ -293,7 +292,20 @@ def test_event_queue_is_bounded() -> None:
     pool.cache_block(2, 2)
     pool.free([1])
     pool.reset_prefix_cache()
-    assert pool.drain_events() == [BlockStored(2), BlockRemoved(1)]
+    assert pool.drain_events() == [(KV_STORED, 2), (KV_REMOVED, 1)]
+    assert pool.num_dropped_events == 1
+
+
+def test_evictions_of_one_allocation_past_the_event_bound_count_as_dropped() -> None:
+    pool = BlockPool(4, max_pending_events=2)
+    blocks = pool.allocate(3)
+    for block_id in blocks:
+        pool.cache_block(block_id, 10 * block_id)
+    assert pool.drain_events() == [(KV_STORED, 20), (KV_STORED, 30)] and pool.num_dropped_events == 1
+    pool.free(blocks)  # queue: [1, 2, 3]
+    assert pool.allocate(3) == [1, 2, 3] and pool.num_evictions == 3
+    assert pool.drain_events() == [(KV_REMOVED, 20), (KV_REMOVED, 30)] and pool.num_dropped_events == 2
+    assert pool.num_cached_blocks == 0
 
 
 def test_reset_prefix_cache_drops_only_free_blocks() -> None:
@@ -305,7 +317,7 @@ def test_reset_prefix_cache_drops_only_free_blocks() -> None:
     pool.drain_events()
     assert pool.reset_prefix_cache() == 2
     assert pool.lookup(20) == 2 and pool.lookup(10) is None and pool.lookup(30) is None
-    assert pool.drain_events() == [BlockRemoved(10), BlockRemoved(30)]
+    assert pool.drain_events() == [(KV_REMOVED, 10), (KV_REMOVED, 30)]
     assert pool.num_evictions == 0 and pool.num_free_blocks == 4
     assert pool.reset_prefix_cache() == 0
 
@@ -327,14 +339,14 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.free_queue = list(range(1, NUM_BLOCKS))  # LRU order: head is allocated next
         self.cache: dict[int, int] = {}  # hash -> block id
         self.evictions = 0
-        self.events: list[BlockStored | BlockRemoved] = []
+        self.events: list[tuple[int, int]] = []
 
     # Each helper calls the pool, checks its answer and updates the model the same way.
 
     def _drop(self, block_id: int) -> None:
         block_hash = next(h for h, b in self.cache.items() if b == block_id)
         del self.cache[block_hash]
-        self.events.append(BlockRemoved(block_hash))
+        self.events.append((KV_REMOVED, block_hash))
 
     def _allocate(self, n: int) -> list[int]:
         got = self.pool.allocate(n)
@@ -380,7 +392,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
         assert stored == (self.cache.get(block_hash, block_id) == block_id)
         if block_hash not in self.cache:
             self.cache[block_hash] = block_id
-            self.events.append(BlockStored(block_hash))
+            self.events.append((KV_STORED, block_hash))
 
     def _held(self) -> list[int]:
         return [b for b in range(1, NUM_BLOCKS) if self.ref[b] > 0]
