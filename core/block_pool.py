@@ -267,7 +267,7 @@ class BlockPool:
         return self._hash_of_block.get(block_id)
 
     def drain_events(self) -> list[BlockEvent]:
-        """BlockStored / BlockRemoved events since the last drain, oldest first."""
+        """(kind, hash) events (BlockEvent) since the last drain, oldest first."""
         events = list(self._events)
         self._events.clear()
         return events
