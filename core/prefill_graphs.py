@@ -81,10 +81,9 @@ class PrefillGraphs:
         longs_bytes = -(-(t + s) * 8 // 64) * 64  # NOTE: the int32 part starts 64-byte aligned
         ints_bytes = 4 * 2 * (2 * s + 1 + s * max_blocks)
         staging_cpu = torch.zeros(longs_bytes + ints_bytes, dtype=torch.uint8, pin_memory=True)
-        self.longs_cpu = staging_cpu[: (t + s) * 8].view(torch.int64)
-        self.ints_cpu = staging_cpu[longs_bytes:].view(torch.int32)
-        self.ints_cpu[self._rows_at : self._rows_at + s + 1] = torch.arange(s + 1)  # NOTE: one query per row
-        self._longs_np, self._ints_np = self.longs_cpu.numpy(), self.ints_cpu.numpy()  # views of the staging
+        self._longs_np = staging_cpu[: (t + s) * 8].view(torch.int64).numpy()  # views of the pinned staging
+        self._ints_np = staging_cpu[longs_bytes:].view(torch.int32).numpy()
+        self._ints_np[self._rows_at : self._rows_at + s + 1] = np.arange(s + 1)  # NOTE: one query per row
         self.staging_cpu, self.staging = staging_cpu, staging_cpu.to(device)
         self.longs = self.staging[: (t + s) * 8].view(torch.int64)
         self.ints = self.staging[longs_bytes:].view(torch.int32)
