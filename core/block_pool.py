@@ -151,15 +151,8 @@ class BlockPool:
         nxt[self._sentinel] = block_id
         self._prev[block_id] = self._sentinel
         self._num_free -= n
-        if hashed:  # NOTE: _drop_hash inlined: on a full cache every allocated block evicts one
-            block_of_hash, removed = self._block_of_hash, []
-            for block_id in block_ids:
-                block_hash = hashed.pop(block_id, None)
-                if block_hash is not None:
-                    del block_of_hash[block_hash]
-                    removed.append((KV_REMOVED, block_hash))
-            self.num_evictions += len(removed)
-            self._record_all(removed)
+        if hashed:
+            self.num_evictions += self._drop_hashes(block_ids)
         return block_ids
 
     def touch(self, block_ids: Sequence[int]) -> None:
@@ -278,10 +271,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> int:
         """Drop the hashes of all free cached blocks (held ones keep theirs); returns how many."""
-        free_cached = [b for b in self._hash_of_block if self._ref_cnts[b] == 0]
-        for block_id in free_cached:
-            self._drop_hash(block_id)
-        return len(free_cached)
+        return self._drop_hashes([b for b in self._hash_of_block if self._ref_cnts[b] == 0])
 
     def free_block_ids(self) -> list[int]:
         """The free queue from head (next to allocate) to tail; O(num_free), for tests and debugging."""
@@ -297,10 +287,19 @@ class BlockPool:
         if not lowest <= block_id < self.num_blocks:
             raise ValueError(f"block id {block_id} is the null block or out of range")
 
-    def _drop_hash(self, block_id: int) -> None:
-        block_hash = self._hash_of_block.pop(block_id)
-        del self._block_of_hash[block_hash]
-        self._record_all(((KV_REMOVED, block_hash),))
+    def _drop_hashes(self, block_ids: Sequence[int]) -> int:
+        """Drop the hashes the blocks hold (blocks without one are skipped); how many were dropped.
+
+        NOTE: one loop with locals: on a full cache every allocated block evicts one (250 for a 4000-token
+        prompt: 110 -> 45 us on the CPU VM against a method call and a dataclass event each)."""
+        hash_of_block, block_of_hash, removed = self._hash_of_block, self._block_of_hash, []
+        for block_id in block_ids:
+            block_hash = hash_of_block.pop(block_id, None)
+            if block_hash is not None:
+                del block_of_hash[block_hash]
+                removed.append((KV_REMOVED, block_hash))
+        self._record_all(removed)
+        return len(removed)
 
     def _record_all(self, events: Sequence[BlockEvent]) -> None:
         """Append events, oldest first; the bounded deque drops as many of its oldest as overflow."""
