@@ -113,6 +113,10 @@ class PrefillGraphs:
         self._load(_padding_inputs(), size)  # NOTE: all padding: warm-up and capture write only the null block
         args = self._views(size, split)
         self.backend.prepare(args[2])
+        # NOTE: every size runs its own eager pass first, though most sizes launch the same kernel variants: a
+        # variant compiled inside a capture invalidated it, or (H100, 1B shape) recorded a graph that returned
+        # token 0, silently; one pass per kernel set would cut the capture 3.6 -> 1.7 s
+        # (bench/results/prefill_graph_capture_dead_end_h100_2026-11-25.json)
         warm = self._forward(*args)  # warm-up: compiles kernels
         if self.logits is None:
             self.logits = torch.empty_like(warm)

@@ -86,9 +86,9 @@ def bench_engine(folder: Path, tokens: int, repeats: int, backend: str, eager: b
     time_cuda(run, 3)
     times = time_cuda(run, repeats)
     if HOST_TIMELINE and backend == "triton" and not eager:
-        print_host_timeline(run)
+        DETAILS.setdefault("host_timeline_us", {})[tokens] = print_host_timeline(run)
     if PROFILE:
-        print_profile(f"pdserve-{backend}", run)
+        DETAILS.setdefault("profile", {})[f"pdserve-{backend}"] = print_profile(f"pdserve-{backend}", run)
     if TRACE and backend == "triton":
         export_trace(Path(TRACE), run)
     if HOST_PROFILE and backend == "triton":
@@ -98,6 +98,8 @@ def bench_engine(folder: Path, tokens: int, repeats: int, backend: str, eager: b
 
 PROFILE = False
 HOST_PROFILE = False
+DETAILS: dict[str, dict[Any, Any]] = {}
+"""What --profile and --host-timeline saw, by run: written to the JSON beside the medians."""
 HOST_TIMELINE = False
 TRACE = ""
 
@@ -112,9 +114,10 @@ TIMELINE_STEPS = {
 """The engine steps of a prefill whose host time print_host_timeline reports, by class."""
 
 
-def print_host_timeline(fn, calls: int = 20) -> None:  # type: ignore[no-untyped-def]
+def print_host_timeline(fn, calls: int = 20) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """Median start and end (us after the call began) of each engine step over a few calls: where the host time
-    before the first kernel and after the last one goes (no profiler: its own overhead would blur them)."""
+    before the first kernel and after the last one goes (no profiler: its own overhead would blur them).
+    Returns the medians: {"wall": us, step: [start, end]}."""
     import importlib
 
     t0 = [0]
@@ -148,10 +151,13 @@ def print_host_timeline(fn, calls: int = 20) -> None:  # type: ignore[no-untyped
     finally:
         for cls, name, method in originals:
             setattr(cls, name, method)
-    print(f"==== host timeline, {calls} calls: wall median {statistics.median(walls):.1f} us")
+    timeline: dict[str, Any] = {"wall": round(statistics.median(walls), 1)}
+    print(f"==== host timeline, {calls} calls: wall median {timeline['wall']:.1f} us")
     for name, spans in sorted(seen.items(), key=lambda kv: statistics.median(s for s, _ in kv[1])):
         start, end = statistics.median(s for s, _ in spans), statistics.median(e for _, e in spans)
         print(f"  {name:14s} start {start:9.1f} us  end {end:9.1f} us")
+        timeline[name] = [round(start, 1), round(end, 1)]
+    return timeline
 
 
 def print_host_profile(fn, calls: int = 10) -> None:  # type: ignore[no-untyped-def]
@@ -178,8 +184,9 @@ def export_trace(path: Path, fn) -> None:  # type: ignore[no-untyped-def]
     prof.export_chrome_trace(str(path))
 
 
-def print_profile(name: str, fn) -> None:  # type: ignore[no-untyped-def]
-    """The GPU kernels of one call by total time, and where the GPU sat idle (to see where a prefill's time goes)."""
+def print_profile(name: str, fn) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """The GPU kernels of one call by total time, and where the GPU sat idle (to see where a prefill's time goes).
+    Returns print_gaps' summary with "kernels_us": {kernel: [GPU us, calls]} for the top kernels."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -190,19 +197,35 @@ def print_profile(name: str, fn) -> None:  # type: ignore[no-untyped-def]
             torch.cuda.synchronize()
         wall = (time.perf_counter() - wall) * 1e3
     print(f"==== {name}")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
-    print_gaps(prof, wall)
+    averages = prof.key_averages()
+    print(averages.table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    summary = print_gaps(prof, wall)
+    on_gpu = sorted(
+        (a for a in averages if a.device_type.name == "CUDA" and a.key != CALL), key=lambda a: -a.self_device_time_total
+    )
+    summary["kernels_us"] = {a.key: [round(a.self_device_time_total, 1), a.count] for a in on_gpu[:KERNELS_KEPT]}
+    return summary
 
 
-def print_gaps(prof, wall_ms: float) -> None:  # type: ignore[no-untyped-def]
-    """GPU busy time (union of kernel intervals) against the call's wall time, and the longest idle gaps."""
+KERNELS_KEPT = 16
+"""GPU kernels of a profiled call written to the JSON (by total time)."""
+
+
+def print_gaps(prof, wall_ms: float) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """GPU busy time (union of kernel intervals) against the call's wall time, and the longest idle gaps; returns
+    {"wall_ms", "first_to_last_kernel_ms", "gpu_busy_ms", "host_before_first_kernel_us",
+    "host_after_last_kernel_us"} (the host's where the call's range was recorded)."""
     from torch.autograd import DeviceType
 
+    # NOTE: the call's record_function range has a GPU-side twin that spans its first to last kernel: counted as
+    # busy, it made "GPU busy" equal the span and hid every gap inside it (figures before 2026-11-25, later)
     kernels = sorted(
-        (e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and e.name != CALL
     )
     if not kernels:
-        return
+        return {"wall_ms": round(wall_ms, 3)}
     busy, gaps, end, last = 0.0, [], kernels[0][0], ""
     for start, stop, kname in kernels:
         if start > end:
@@ -211,13 +234,17 @@ def print_gaps(prof, wall_ms: float) -> None:  # type: ignore[no-untyped-def]
         end, last = max(end, stop), kname
     span = (end - kernels[0][0]) / 1e3
     print(f"wall {wall_ms:.2f} ms, first->last kernel {span:.2f} ms, GPU busy {busy / 1e3:.2f} ms")
+    summary: dict[str, Any] = {"wall_ms": round(wall_ms, 3), "first_to_last_kernel_ms": round(span, 3)}
+    summary["gpu_busy_ms"] = round(busy / 1e3, 3)
     call = next((e for e in prof.events() if e.name == CALL), None)
     if call is not None:
         pre, post = kernels[0][0] - call.time_range.start, call.time_range.end - end
         print(f"host before the first kernel {pre:.1f} us, after the last {post:.1f} us")
+        summary |= {"host_before_first_kernel_us": round(pre, 1), "host_after_last_kernel_us": round(post, 1)}
         print_runtime_calls(prof, call.time_range.start)
     for gap, before, after in sorted(gaps, reverse=True)[:8]:
         print(f"  idle {gap:8.1f} us between {before[:50]!r} and {after[:50]!r}")
+    return summary
 
 
 CALL = "bench_call"
@@ -312,6 +339,7 @@ def main() -> int:
         print(f"{k:20s} median {v:8.2f} ms")
     if args.lengths:
         result["graphs_vs_eager_median_ms"] = graphs_vs_eager(folder, [int(n) for n in args.lengths.split(",")])
+    result |= DETAILS
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
