@@ -215,7 +215,7 @@ class PrefillWorker(WorkerBase):
             pool_id=self.incarnation,
             lease_id=lease_id,
             block_ids=req.block_ids,
-            token_ids=pack_token_ids(req.token_ids),
+            token_ids=pack_token_ids(req.id_array()),
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             sampling=params_to_sampling(req.sampling.params, req.sampling.num_generated),
