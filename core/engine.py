@@ -207,25 +207,44 @@ class Engine:
         self.kv.flush()
 
     def adopt(
-        self, request_id: str, token_ids: TokenIds, num_prompt_tokens: int, sampling: SamplingState
+        self,
+        request_id: str,
+        token_ids: TokenIds,
+        num_prompt_tokens: int,
+        sampling: SamplingState,
+        block_hashes: Sequence[int] = (),
     ) -> Adoption | None:
         """Add a request whose KV for all but the last token was computed elsewhere (a handoff).
 
         Full blocks of that KV already in the local prefix cache are shared; blocks are allocated for the
         rest and returned (see Adoption): the caller must fill them before the next step, then call
         cache_adopted. None when there is no room (nothing changed). The request then decodes like any other.
+        block_hashes: those full blocks' hashes as the sender computed them (computed_block_hashes), or () to
+        hash them here; InvalidRequestError for a count that does not match.
         """
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        num_full = (len(token_ids) - 1) // self.config.cache.block_size
+        if block_hashes and len(block_hashes) != num_full:
+            raise InvalidRequestError(f"{len(block_hashes)} block hashes for {num_full} full blocks")
         if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
             return None
         req = Request(request_id, _id_list(token_ids), num_prompt_tokens, sampling, status=RequestStatus.RUNNING)
+        if self.kv.enable_caching:
+            req.block_hashes = list(block_hashes)
         num_shared = self.kv.adopt(req, len(token_ids) - 1)
         if num_shared is None:
             return None
         self.requests[request_id] = req
         self.scheduler.running.append(req)
         return Adoption(req.block_ids[num_shared:], num_shared)
+
+    def computed_block_hashes(self, req: Request) -> list[int]:
+        """Chained hashes of req's full blocks whose KV is computed: what a decode worker adopting it matches its
+        prefix cache with (HandoffCmd.block_hashes); [] without prefix caching. The commit reuses them."""
+        if not self.kv.enable_caching:
+            return []
+        return self.kv.full_block_hashes(req, req.num_computed_tokens // self.config.cache.block_size)
 
     def cache_adopted(self, request_id: str) -> None:
         """Offer an adopted request's copied full blocks to the prefix cache, so later handoffs and prompts

@@ -231,6 +231,10 @@ class KVCacheManager:
         req.num_registered_blocks = 0
         req.tail_shared = False
 
+    def full_block_hashes(self, req: Request, num_blocks: int) -> list[int]:
+        """req's first num_blocks chained block hashes, hashing what req.block_hashes lacks."""
+        return self._extend_hashes(req, num_blocks)[:num_blocks]
+
     def _extend_hashes(self, req: Request, num_blocks: int | None = None) -> list[int]:
         """req.block_hashes extended to its first num_blocks full blocks (default: every full block).
 

@@ -61,6 +61,26 @@ def _pack_array(ids: np.ndarray) -> bytes:
     return ids.astype("<i4", copy=False).tobytes()
 
 
+def pack_block_hashes(hashes: Sequence[int]) -> bytes:
+    """Block hashes as they travel (HandoffCmd): uint64 little-endian bytes. OverflowError for a hash that is
+    not an unsigned 64-bit int."""
+    packed = array.array("Q", hashes)
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_block_hashes(raw: object) -> list[int] | None:
+    """pack_block_hashes' inverse; None unless raw is bytes holding whole uint64s."""
+    if type(raw) is not bytes or len(raw) % 8:
+        return None
+    packed = array.array("Q")
+    packed.frombytes(raw)
+    if sys.byteorder != "little":  # pragma: no cover
+        packed.byteswap()
+    return packed.tolist()
+
+
 def unpack_token_ids(raw: object) -> np.ndarray | None:  # [num_tokens] int32, read-only; None: not token ids
     """pack_token_ids' inverse; None unless raw is bytes holding whole int32s."""
     if type(raw) is not bytes or len(raw) % 4:
@@ -133,6 +153,11 @@ class HandoffCmd:
     num_cached_tokens: int
     sampling: Sampling
     timings: Timings
+    block_hashes: bytes = b""
+    """Chained hashes (core.block_pool) of the full blocks whose KV block_ids hold, uint64 little-endian
+    (pack_block_hashes); empty from a prefill worker without a prefix cache. The decode worker matches its cache
+    with them and registers them instead of hashing the prompt again in its decode loop (a 4000-token prompt:
+    ~150 us on the CPU VM)."""
 
 
 @dataclass(frozen=True)

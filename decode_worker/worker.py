@@ -43,6 +43,7 @@ from core.messages import (
     decode,
     encode,
     sampling_to_params,
+    unpack_block_hashes,
     unpack_token_ids,
 )
 from core.sampler import SamplingState
@@ -164,6 +165,9 @@ class DecodeWorker(WorkerBase):
             return f"{cmd.request_id}: block_ids, token_ids or num_prompt_tokens"
         if not isinstance(cmd.sampling, Sampling) or not isinstance(cmd.timings, Timings):
             return f"{cmd.request_id}: sampling or timings is not a mapping"
+        hashes = unpack_block_hashes(cmd.block_hashes)
+        if hashes is None or len(hashes) not in (0, (len(ids) - 1) // self.cfg.cache.block_size):
+            return f"{cmd.request_id}: block_hashes are not one uint64 per full block"
         return None
 
     def _generate(self, cmd: GenerateCmd) -> None:
@@ -231,10 +235,10 @@ class DecodeWorker(WorkerBase):
         room yet."""
         s = cmd.sampling
         state = SamplingState(sampling_to_params(s), self.cfg.model.eos_token_ids, s.num_generated)
-        token_ids = unpack_token_ids(cmd.token_ids)
-        assert token_ids is not None  # NOTE: _bad_handoff checked it
+        token_ids, hashes = unpack_token_ids(cmd.token_ids), unpack_block_hashes(cmd.block_hashes)
+        assert token_ids is not None and hashes is not None  # NOTE: _bad_handoff checked them
         try:
-            dst = self.engine.adopt(cmd.request_id, token_ids, cmd.num_prompt_tokens, state)
+            dst = self.engine.adopt(cmd.request_id, token_ids, cmd.num_prompt_tokens, state, hashes)
         except InvalidRequestError as exc:
             self._release(cmd)
             ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "INTERNAL", str(exc)))

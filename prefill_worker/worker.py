@@ -28,6 +28,7 @@ from core.messages import (
     TokenEvent,
     decode,
     encode,
+    pack_block_hashes,
     pack_token_ids,
     params_to_sampling,
 )
@@ -220,6 +221,7 @@ class PrefillWorker(WorkerBase):
             num_cached_tokens=req.num_cached_tokens,
             sampling=params_to_sampling(req.sampling.params, req.sampling.num_generated),
             timings=timings,
+            block_hashes=pack_block_hashes(self.engine.computed_block_hashes(req)),
         )
         self.num_handoffs += 1
         log.info(

@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from core import ipc
+from core.block_pool import hash_full_blocks
 from core.busy_poll import busy_poll_seconds
 from core.config import CacheConfig, EngineConfig, ModelConfig
 from core.messages import (
@@ -30,6 +31,7 @@ from core.messages import (
     RequestErrorEvent,
     Sampling,
     Timings,
+    pack_block_hashes,
     pack_token_ids,
 )
 from core.worker_base import PENDING_POLL_MS
@@ -107,11 +109,11 @@ def async_sink(worker: DecodeWorker) -> AsyncSink:
     return wrapped
 
 
-def handoff(request_id: str, lease_id: int, block_ids: list[int] | None = None) -> HandoffCmd:
+def handoff(request_id: str, lease_id: int, block_ids: list[int] | None = None, hashes: bytes = b"") -> HandoffCmd:
     sampling = Sampling(temperature=0.0, max_tokens=4, ignore_eos=True, num_generated=1)
     token_ids = pack_token_ids([*PROMPT, FIRST_TOKEN])
     return HandoffCmd(
-        request_id, 0, POOL_ID, lease_id, block_ids or [3, 4], token_ids, len(PROMPT), 0, sampling, Timings()
+        request_id, 0, POOL_ID, lease_id, block_ids or [3, 4], token_ids, len(PROMPT), 0, sampling, Timings(), hashes
     )
 
 
@@ -235,3 +237,13 @@ def test_shm_pull_is_synchronous_so_the_lease_is_released_in_the_same_call(harne
         assert torch.equal(worker.kv_pool.tensor[:, :, dst], source.tensor[:, :, [11, 2]])
     finally:
         source.close()
+
+
+def test_block_hashes_must_be_one_per_full_block_or_none(harness: Harness) -> None:
+    worker = harness.worker
+    own = hash_full_blocks(PROMPT, worker.cfg.cache.block_size)  # 1 full block of the 18 computed tokens
+    worker.handle(handoff("bad", lease_id=8, hashes=pack_block_hashes([*own, 7])))
+    assert not worker.engine.has_unfinished() and not worker.waiting  # dropped
+    async_sink(worker)
+    worker.handle(handoff("good", lease_id=9, hashes=pack_block_hashes(own)))
+    assert worker.engine.has_unfinished() and worker.engine.requests["good"].block_hashes[:1] == own

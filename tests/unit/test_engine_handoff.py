@@ -4,9 +4,15 @@ their blocks are copied into a decode engine that adopts them; the tokens equal 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from core import kv_cache_manager
+from core.block_pool import hash_full_blocks
 from core.config import CacheConfig, EngineConfig, ModelConfig
 from core.engine import Engine
+from core.errors import InvalidRequestError
 from core.sampler import SamplingState
 from core.sampling_params import SamplingParams
 from tests.hf_reference import random_prompts
@@ -41,3 +47,39 @@ def test_detach_copy_adopt_equals_single_engine(tiny_llama_dir: Path) -> None:
     assert got == expected
     assert decode.stats.num_prefill_tokens_computed == 0
     assert decode.pool.num_used_blocks == 0
+
+
+def test_a_handoff_carries_its_block_hashes_and_the_decode_engine_hashes_nothing(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = EngineConfig(ModelConfig.from_pretrained(tiny_llama_dir), CacheConfig(num_blocks=64))
+    bs = cfg.cache.block_size
+    prefill, decode = Engine(cfg), Engine(cfg)
+    (prompt,) = random_prompts(1024, (4 * bs + 6,), seed=12)
+    prefill.add_request("a", prompt, PARAMS)
+    (out,) = prefill.step()
+    req = prefill.detach("a")
+    hashes = prefill.computed_block_hashes(req)
+    assert hashes == hash_full_blocks(prompt, bs)  # the 4 full blocks of the computed prompt
+    sampling = SamplingState(req.sampling.params, req.sampling.eos_token_ids, req.sampling.num_generated)
+    with pytest.raises(InvalidRequestError, match="block hashes"):
+        decode.adopt("a", req.token_ids, req.num_prompt_tokens, sampling, hashes[:-1])
+    hashed: list[object] = []
+    real = kv_cache_manager.hash_full_blocks
+
+    def counted(*args: Any) -> list[int]:
+        hashed.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(kv_cache_manager, "hash_full_blocks", counted)
+    adoption = decode.adopt("a", req.token_ids, req.num_prompt_tokens, sampling, hashes)
+    assert adoption is not None and hashed == []
+    decode.runner.kv_pool[:, :, adoption.dst] = prefill.runner.kv_pool[:, :, adoption.sources(req.block_ids)]
+    prefill.release_blocks(req.block_ids)
+    decode.cache_adopted("a")
+    monkeypatch.undo()
+    # the registered hashes are the blocks' own: a local prompt with the same first 4 blocks finds them
+    other = [*prompt[: 4 * bs], 1, 2, 3]
+    got = decode.generate([other], PARAMS)
+    assert decode.stats.num_cached_prompt_tokens == 4 * bs
+    assert got == Engine(cfg).generate([other], PARAMS)

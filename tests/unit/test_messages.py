@@ -10,6 +10,7 @@ import pytest
 from core.messages import (
     PROTOCOL_VERSION,
     GenerateCmd,
+    HandoffCmd,
     MessageError,
     Sampling,
     Timings,
@@ -17,7 +18,9 @@ from core.messages import (
     TokenEvent,
     decode,
     encode,
+    pack_block_hashes,
     pack_token_ids,
+    unpack_block_hashes,
     unpack_token_ids,
 )
 
@@ -65,3 +68,32 @@ def test_an_integer_array_packs_like_its_list(dtype: type) -> None:
 def test_ids_that_are_not_int32_integers_do_not_pack(ids: object) -> None:
     with pytest.raises((OverflowError, TypeError)):
         pack_token_ids(ids)  # type: ignore[arg-type]
+
+
+def handoff(**fields: object) -> HandoffCmd:
+    base: dict[str, object] = dict(
+        request_id="r", prefill_worker=0, pool_id="p", lease_id=1, block_ids=[3, 4], token_ids=pack_token_ids([1] * 40),
+        num_prompt_tokens=39, num_cached_tokens=0, sampling=Sampling(), timings=Timings(),
+    )  # fmt: skip
+    return HandoffCmd(**(base | fields))  # type: ignore[arg-type]
+
+
+def test_block_hashes_travel_as_packed_uint64s() -> None:
+    hashes = [0, 1, 2**63, 2**64 - 1, 0x9E37_79B9_7F4A_7C15]
+    back = decode(encode(handoff(block_hashes=pack_block_hashes(hashes))))
+    assert isinstance(back, HandoffCmd) and unpack_block_hashes(back.block_hashes) == hashes
+    assert unpack_block_hashes(b"") == []
+    with pytest.raises(OverflowError):
+        pack_block_hashes([2**64])
+
+
+def test_a_handoff_without_block_hashes_decodes_with_none_to_match() -> None:
+    fields = {k: v for k, v in msgpack.unpackb(encode(handoff()), raw=False)[2].items() if k != "block_hashes"}
+    frame = msgpack.packb([PROTOCOL_VERSION, HandoffCmd.TAG, fields], use_bin_type=True)
+    back = decode(frame)
+    assert isinstance(back, HandoffCmd) and unpack_block_hashes(back.block_hashes) == []
+
+
+@pytest.mark.parametrize("raw", [[1, 2], "abcdefgh", b"\x01" * 7, None, bytearray(8)])
+def test_anything_but_whole_uint64_bytes_is_not_block_hashes(raw: object) -> None:
+    assert unpack_block_hashes(raw) is None
