@@ -68,6 +68,28 @@ def _id_list(ids: TokenIds) -> list[int]:
     return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
 
 
+def _adopted_request(request_id: str, ids: TokenIds, num_prompt_tokens: int, sampling: SamplingState) -> Request:
+    """A handed-off request, running; a long one's list waits for its first pass (Request.ids_pending), all but
+    its last id (the token its first pass reads) held as an array meanwhile."""
+    if len(ids) < DEFER_ID_LIST:
+        return Request(request_id, _id_list(ids), num_prompt_tokens, sampling, status=RequestStatus.RUNNING)
+    listed = [0] * (len(ids) - 1)
+    listed.append(int(ids[-1]))
+    return Request(
+        request_id, listed, num_prompt_tokens, sampling, status=RequestStatus.RUNNING,
+        token_array=_int64_array(ids[:-1]), ids_pending=True,
+    )  # fmt: skip
+
+
+def _fill_read_ids(plan: StepPlan) -> None:
+    """Before a decode pass, which reads each sequence's token at num_computed_tokens: fill the lists whose token
+    there is still a zero (a prompt left with its last token to compute after a prefix hit on the rest, say)."""
+    for chunk in plan.chunks:
+        req = chunk.req
+        if req.ids_pending and req.num_computed_tokens < len(req.token_array):
+            req.fill_ids()
+
+
 def _int64_array(ids: TokenIds) -> np.ndarray:
     """[len(ids)] int64; TypeError / OverflowError for ids that are not integers (an array of another kind too)."""
     if isinstance(ids, np.ndarray):
@@ -229,7 +251,9 @@ class Engine:
             raise InvalidRequestError(f"{len(block_hashes)} block hashes for {num_full} full blocks")
         if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
             return None
-        req = Request(request_id, _id_list(token_ids), num_prompt_tokens, sampling, status=RequestStatus.RUNNING)
+        req = _adopted_request(request_id, token_ids, num_prompt_tokens, sampling)
+        if req.ids_pending:
+            self._ids_pending.append(req)
         if self.kv.enable_caching:
             req.block_hashes = list(block_hashes)
         num_shared = self.kv.adopt(req, len(token_ids) - 1)
@@ -281,8 +305,8 @@ class Engine:
         outputs = self._read_in_flight()
         if outputs:  # NOTE: requests that the read just finished leave the plan
             plan.chunks = [c for c in plan.chunks if c.req.status is not RequestStatus.FINISHED]
-        if self._ids_pending and is_decode_pass(plan.chunks):  # NOTE: a decode pass reads token_ids (a prompt's
-            self._fill_ids()  # last token after a prefix hit on the rest, say)
+        if self._ids_pending and is_decode_pass(plan.chunks):
+            _fill_read_ids(plan)
         sampled, rows, known = self._run(plan)
         self._fill_ids()  # NOTE: while the pass runs
         outputs += [self._accept(req, token, None, None) for req, token in known]

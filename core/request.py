@@ -49,9 +49,10 @@ class Request:
     """token_ids[:len(token_array)] as int64, made once by the engine's admission check: passes and prefix
     hashes slice it instead of converting the list (4000 ids: ~60 us a conversion). Empty if never made."""
     ids_pending: bool = False
-    """token_ids holds len(token_array) zeros, not the ids, until fill_ids(): the engine builds a long prompt's
-    list once its first pass is launched (4000 ids of a 128k vocabulary: ~45 us on the CPU VM, before, on every
-    prefill's critical path). Until then only token_array's values (tokens()) and token_ids' length are read."""
+    """token_ids[:len(token_array)] are zeros, not the ids, until fill_ids(): the engine builds a long prompt's
+    (or handoff's) list once its first pass is launched (4000 ids of a 128k vocabulary: ~45 us on the CPU VM,
+    before, on every prefill's critical path and in a decode worker's loop). Until then token_ids' values are
+    read only past token_array (a handoff's last id, the tokens generated since) or through tokens()."""
 
     def fill_ids(self) -> None:
         """Make token_ids hold the ids (a no-op once they do)."""
@@ -69,7 +70,10 @@ class Request:
 
     def tokens(self, start: int, end: int) -> np.ndarray | list[int]:
         """token_ids[start:end]: a view of token_array when it holds them."""
-        return self.token_array[start:end] if end <= len(self.token_array) else self.token_ids[start:end]
+        if end <= len(self.token_array):
+            return self.token_array[start:end]
+        self.fill_ids()
+        return self.token_ids[start:end]
 
     @property
     def num_tokens(self) -> int:

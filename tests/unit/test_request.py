@@ -40,3 +40,16 @@ def test_fill_ids_writes_the_prompt_once() -> None:
     req.token_ids.append(9)
     req.fill_ids()  # a no-op now: the generated id stays
     assert req.token_ids == [*prompt, 9]
+
+
+def test_tokens_past_the_array_of_a_pending_list_fill_it_first() -> None:
+    """A handoff's request: all but its last id in the array, the list zeros but for that id until filled."""
+    ids = [4, 8, 15, 16, 23, 42]
+    req = Request(
+        "r", [0] * 5 + [42], 6, SamplingState(SamplingParams(), ()),
+        token_array=np.asarray(ids[:-1], dtype=np.int64), ids_pending=True,
+    )  # fmt: skip
+    assert req.tokens(0, 5).tolist() == ids[:5] and req.ids_pending  # type: ignore[union-attr]
+    req.token_ids.append(7)
+    assert req.tokens(3, 7) == [16, 23, 42, 7] and not req.ids_pending
+    assert req.id_array().tolist() == [*ids, 7]
