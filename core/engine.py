@@ -100,10 +100,10 @@ def _int64_array(ids: TokenIds) -> np.ndarray:
 
 
 PLACEHOLDER = -1
-DEFER_ID_LIST = 64
-"""Prompts of at least this many ids get their Python list after their first pass is launched (Request.ids_pending);
-shorter ones at once (a 1-token prompt's first pass is a decode pass, which reads token_ids)."""
 """Stands in token_ids for a token sampled by the in-flight step until the host reads it."""
+DEFER_ID_LIST = 64
+"""Prompts and handoffs of at least this many ids get their Python list after their first pass is launched
+(Request.ids_pending); shorter ones at once (a 1-token prompt's first pass is a decode pass, which reads token_ids)."""
 
 
 class InFlightStep(NamedTuple):
@@ -252,13 +252,13 @@ class Engine:
         if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
             return None
         req = _adopted_request(request_id, token_ids, num_prompt_tokens, sampling)
-        if req.ids_pending:
-            self._ids_pending.append(req)
         if self.kv.enable_caching:
             req.block_hashes = list(block_hashes)
         num_shared = self.kv.adopt(req, len(token_ids) - 1)
         if num_shared is None:
             return None
+        if req.ids_pending:
+            self._ids_pending.append(req)
         self.requests[request_id] = req
         self.scheduler.running.append(req)
         return Adoption(req.block_ids[num_shared:], num_shared)
