@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """How fast this host runs the kinds of work on a prefill's critical path: pure Python, small numpy calls, torch
-calls on CPU tensors, and (with a GPU) CUDA events, a pinned copy and graph launches of 1 and 200 kernels.
+calls on CPU tensors, the engine's own host code (on the CPU, forward stubbed), and (with a GPU) CUDA events, a
+pinned copy and graph launches of 1 and 200 kernels.
 
 The engine's host code ran 6-10x slower on the device tool's GPU hosts than on the 2-core CPU VM
 (docs/benchmarks.md, "GPU busy was the span"); run this on both to see which kind of work is slow, and why.
@@ -22,6 +23,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def per_call_us(fn: Callable[[], object], number: int = 2000, repeat: int = 5) -> float:
@@ -101,11 +104,61 @@ def cuda_ops() -> dict[str, float]:
     return out
 
 
+ENGINE_VOCAB = 128256
+"""The engine part's vocabulary (the 1B Llama shape's): ids past 256 are new int objects in a Python list."""
+
+
+def engine_ops(repeats: int = 200) -> dict[str, float]:
+    """Median host time of Engine.generate on the CPU (a 2-layer Llama of ENGINE_VOCAB ids, dummy weights), its
+    forward pass replaced by a stub: from the call to the pass's launch, and the whole call, for 4000- and
+    128-token prompts (one token out, no prefix cache: bench_prefill.py's setting)."""
+    import statistics
+    import tempfile
+    import time
+
+    from transformers import LlamaConfig
+
+    from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from core.engine import Engine
+    from core.sampling_params import SamplingParams
+
+    folder = Path(tempfile.mkdtemp())
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    LlamaConfig(**shape, num_key_value_heads=2, vocab_size=ENGINE_VOCAB, max_position_embeddings=8192).save_pretrained(
+        folder
+    )
+    out: dict[str, float] = {}
+    rng, launched = np.random.default_rng(0), [0]
+    for tokens in (4000, 128):
+        model = ModelConfig.from_pretrained(folder, load_format="dummy")
+        cache = CacheConfig(num_blocks=tokens // 16 + 64, enable_prefix_caching=False)
+        engine = Engine(EngineConfig(model, cache, SchedulerConfig(max_num_batched_tokens=4096), device="cpu"))
+        logits = torch.zeros(1, ENGINE_VOCAB)
+
+        def stub(plan: Any, sampled_rows: Any = None, engine: Engine = engine, logits: torch.Tensor = logits) -> Any:
+            engine.runner._host_inputs(plan)
+            launched[0] = time.perf_counter_ns()
+            return logits
+
+        engine.runner.execute = stub  # type: ignore[method-assign]
+        one = SamplingParams(temperature=0.0, max_tokens=1)
+        prompts = [rng.integers(0, ENGINE_VOCAB, tokens).astype(np.int32) for _ in range(repeats)]
+        to_launch, whole = [], []
+        for prompt in prompts:
+            start = time.perf_counter_ns()
+            engine.generate([prompt], one)
+            whole.append(time.perf_counter_ns() - start)
+            to_launch.append(launched[0] - start)
+        out[f"generate_{tokens}_call_to_launch"] = round(statistics.median(to_launch[repeats // 4 :]) / 1e3, 1)
+        out[f"generate_{tokens}_whole"] = round(statistics.median(whole[repeats // 4 :]) / 1e3, 1)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    result: dict[str, Any] = {"host": host_facts(), "cpu_us": cpu_ops()}
+    result: dict[str, Any] = {"host": host_facts(), "cpu_us": cpu_ops(), "engine_cpu_us": engine_ops()}
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name()
         result["cuda_us"] = cuda_ops()
