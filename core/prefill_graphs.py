@@ -91,7 +91,7 @@ class PrefillGraphs:
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, split)
         self._pool = torch.cuda.graph_pool_handle()
         self.logits: torch.Tensor | None = None  # [PREFILL_GRAPH_SEQS, vocab] float32: every graph's output
-        self._copied = torch.cuda.Event()  # recorded after each load's copies out of the pinned staging
+        self._copied = torch.cuda.Event(external=True)  # recorded by each replay once its copy left the staging
 
     @property
     def _rows_at(self) -> int:
@@ -111,6 +111,7 @@ class PrefillGraphs:
         """NOTE: the graph copies its logits into the one shared buffer, so its own output is pool memory the
         next capture reuses (a [8, 128256] float32 output each would hold 4 MB per graph)."""
         self._load(_padding_inputs(), size)  # NOTE: all padding: warm-up and capture write only the null block
+        self._copy_in()
         args = self._views(size, split)
         self.backend.prepare(args[2])
         # NOTE: every size runs its own eager pass first, though most sizes launch the same kernel variants: a
@@ -123,8 +124,18 @@ class PrefillGraphs:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
+            self._copy_in()
             self.logits.copy_(self._forward(*args))  # [PREFILL_GRAPH_SEQS, vocab]
         return graph
+
+    def _copy_in(self) -> None:
+        """The staging's copy to the device, then _copied recorded: the first nodes of every graph.
+
+        NOTE: in the graph, not before its launch: a copy and an event record issued from Python cost ~130 us of
+        a cold host's time before the first kernel (H100 host, 4000 tokens); the event is external, so a replay
+        records it after its copy and _load waits on that."""
+        self.staging.copy_(self.staging_cpu, non_blocking=True)
+        self._copied.record()
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         assert meta.slot_mapping is not None
@@ -136,18 +147,18 @@ class PrefillGraphs:
     def run(self, host: HostInputs) -> torch.Tensor:  # [num_sampling, vocab] float32, a view of the graph's output
         """Load a pass (fits() must hold) and replay the graph of the smallest size that holds it."""
         size = self.sizes[bisect.bisect_left(self.sizes, len(host.ids))]  # NOTE: ~100 sizes: no linear scan
-        max_prefix = int((host.seq_lens - np.diff(host.query_start)).max(initial=0))
-        split = (size, True) in self._graphs and choose_num_splits(len(host.ids), max_prefix) > 1
+        split = (size, True) in self._graphs and choose_num_splits(len(host.ids), _max_prefix(host)) > 1
         self._load(host, size)
         self._graphs[size, split].replay()
         assert self.logits is not None
         return self.logits[: len(host.logits_idx)]
 
     def _load(self, host: HostInputs, size: int) -> None:
-        """Stage host into the pinned buffers and copy them to the device (asynchronously).
+        """Stage host into the pinned buffers; the graph's first node copies them to the device (_copy_in).
 
-        NOTE: the previous load's copies must have left the staging before it is rewritten: passes launched
-        back to back (warm-up, a busy GPU under MPS) would otherwise replay a graph on the next pass's inputs.
+        NOTE: the previous replay's copy must have left the staging before it is rewritten: passes launched
+        back to back (a long prompt's chunks, a busy GPU under MPS) would otherwise replay a graph on the next
+        pass's inputs.
         """
         self._copied.synchronize()
         t, s, n, b = self.sizes[-1], PREFILL_GRAPH_SEQS, len(host.ids), len(host.seq_lens)
@@ -164,8 +175,6 @@ class PrefillGraphs:
             ints[rows_at + s + 1 :] = ints[s + 1 : rows_at]
         else:
             self._load_seqs(ints[rows_at + s + 1 :], host.seq_lens[host.row_seqs], host.tables[host.row_seqs])
-        self.staging.copy_(self.staging_cpu, non_blocking=True)
-        self._copied.record()
 
     def _load_seqs(self, part: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray) -> None:
         """Write [seq_lens; tables] of PREFILL_GRAPH_SEQS slots; slots past the given sequences get length 0."""
@@ -200,6 +209,11 @@ class PrefillGraphs:
             seq_lens_cpu=[prefix + max(query_lens)] + [0] * (s - 1),
             block_size=self.block_size,
         )
+
+
+def _max_prefix(host: HostInputs) -> int:
+    """The longest cached prefix of the pass's sequences."""
+    return int((host.seq_lens - np.diff(host.query_start)).max(initial=0))
 
 
 def graph_token_sizes(max_tokens: int) -> tuple[int, ...]:
