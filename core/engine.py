@@ -221,10 +221,11 @@ class Engine:
         self.pool.free(list(block_ids)[::-1])
 
     def flush_commits(self) -> None:
-        """Offer the prompts the last step computed to the prefix cache (their blocks, tail and last_logits).
+        """Offer the prompts the last step computed to the prefix cache (their blocks, tail and last_logits), then
+        free the blocks of the requests it finished.
 
-        step() returns a prompt's first token before this, so callers send it out first, then call this; the
-        next step() (or a free of the request's blocks) does it otherwise.
+        step() returns a prompt's first token (and a request's last) before this, so callers send it out first,
+        then call this; the next step() (or a free of the request's blocks) does it otherwise.
         """
         self.kv.flush()
 
@@ -288,6 +289,7 @@ class Engine:
         if req is None:
             return None
         self.scheduler.finish(req, "abort")
+        self.kv.flush()
         return self._output(req, [])
 
     def step(self) -> list[RequestOutput]:
@@ -456,4 +458,5 @@ class Engine:
             for out in self.step():
                 if out.request_id in results:
                     results[out.request_id].extend(out.new_token_ids)
+        self.flush_commits()
         return [results[rid] for rid in ids]

@@ -66,6 +66,8 @@ class KVCacheManager:
         self.logits = LogitsCache(max_cached_logits if enable_caching else 0)
         self._deferred: list[tuple[Request, torch.Tensor, int | None]] = []
         """Prompts computed by the last pass whose commit waits for flush() (see defer_prompt_commit)."""
+        self._to_free: list[Request] = []
+        """Finished requests whose blocks flush() frees (see defer_free)."""
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -191,12 +193,20 @@ class KVCacheManager:
         if self.enable_caching:
             self._deferred.append((req, last_logits, greedy_token))
 
+    def defer_free(self, req: Request) -> None:
+        """free() of a finished request, held until flush(): a step's outputs go out before its finished requests'
+        blocks return (251 blocks: ~50-70 us of an H100 host's time after a 4000-token prefill's token)."""
+        self._to_free.append(req)
+
     def flush(self) -> None:
-        """The deferred prompt commits, in order."""
+        """The deferred prompt commits, in order, then the deferred frees."""
         deferred, self._deferred = self._deferred, []
         for req, last_logits, greedy_token in deferred:
             self.cache_full_blocks(req)
             self._cache_prompt_end(req, last_logits, greedy_token)
+        to_free, self._to_free = self._to_free, []
+        for req in to_free:
+            self.free(req)
 
     def _cache_prompt_end(self, req: Request, last_logits: torch.Tensor, greedy_token: int | None) -> None:
         """The prompt's last_logits row and its partial tail block, under the hash of the whole prompt."""

@@ -126,19 +126,19 @@ class Scheduler:
         return req.status is RequestStatus.RUNNING and req.num_computed_tokens < req.num_prompt_tokens
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
-        self.kv.free(req)
+        self.kv.defer_free(req)
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         plan.chunks = [c for c in plan.chunks if c.req is not req]
         plan.preempted.append(req)
 
     def finish(self, req: Request, reason: str) -> None:
-        """Take req out of the queues and free its blocks."""
+        """Take req out of the queues; its blocks are freed by the next kv.flush() (KVCacheManager.defer_free)."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
-        self.kv.free(req)
+        self.kv.defer_free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 

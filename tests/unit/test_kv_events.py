@@ -196,6 +196,7 @@ def test_a_real_worker_answers_kv_snapshot_cmd_with_the_hashes_the_router_comput
         worker.engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=1))
         while worker.engine.has_unfinished():
             worker.engine.step()
+            worker.engine.flush_commits()  # what run() does after each step
         worker._safe_handle(KvSnapshotCmd())
         assert router.poll(int(WAIT_S * 1000))
         (snap,) = ipc.recv_all(router)

@@ -180,6 +180,21 @@ def test_a_prompt_enters_the_cache_after_its_first_token_is_returned(tiny_llama_
     assert engine.stats.num_full_hits == 1
 
 
+def test_a_request_finished_by_a_step_keeps_its_blocks_until_the_flush(tiny_llama_dir: Path) -> None:
+    (prompt,) = random_prompts(1024, (3 * BS + 5,), seed=13)
+    engine = engine_for(tiny_llama_dir)
+    engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    (out,) = engine.step()
+    assert out.finished and "a" not in engine.requests
+    assert engine.pool.num_used_blocks == 4 and engine.pool.num_cached_blocks == 0  # the token left first
+    engine.flush_commits()
+    assert engine.pool.num_used_blocks == 0
+    assert engine.pool.num_cached_blocks == 4  # registered before they went back: a later prompt hits them
+    engine.add_request("b", prompt, GREEDY)
+    engine.step()
+    assert engine.stats.num_full_hits == 1
+
+
 def test_the_next_step_or_a_free_registers_a_prompt_not_yet_flushed(tiny_llama_dir: Path) -> None:
     (prompt,) = random_prompts(1024, (2 * BS + 3,), seed=12)
     engine = engine_for(tiny_llama_dir)
