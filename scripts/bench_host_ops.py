@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import sys
+import time
 import timeit
 from collections.abc import Callable
 from pathlib import Path
@@ -114,7 +115,6 @@ def engine_ops(repeats: int = 200) -> dict[str, float]:
     128-token prompts (one token out, no prefix cache: bench_prefill.py's setting)."""
     import statistics
     import tempfile
-    import time
 
     from transformers import LlamaConfig
 
@@ -143,15 +143,43 @@ def engine_ops(repeats: int = 200) -> dict[str, float]:
         engine.runner.execute = stub  # type: ignore[method-assign]
         one = SamplingParams(temperature=0.0, max_tokens=1)
         prompts = [rng.integers(0, ENGINE_VOCAB, tokens).astype(np.int32) for _ in range(repeats)]
-        to_launch, whole = [], []
-        for prompt in prompts:
-            start = time.perf_counter_ns()
-            engine.generate([prompt], one)
-            whole.append(time.perf_counter_ns() - start)
-            to_launch.append(launched[0] - start)
-        out[f"generate_{tokens}_call_to_launch"] = round(statistics.median(to_launch[repeats // 4 :]) / 1e3, 1)
-        out[f"generate_{tokens}_whole"] = round(statistics.median(whole[repeats // 4 :]) / 1e3, 1)
+        for regime, between in BETWEEN_CALLS.items():
+            if regime and tokens != 4000:
+                continue
+            to_launch, whole = [], []
+            for prompt in prompts:
+                between()
+                start = time.perf_counter_ns()
+                engine.generate([prompt], one)
+                whole.append(time.perf_counter_ns() - start)
+                to_launch.append(launched[0] - start)
+            name = f"generate_{tokens}{regime}"
+            out[f"{name}_call_to_launch"] = round(statistics.median(to_launch[repeats // 4 :]) / 1e3, 1)
+            out[f"{name}_whole"] = round(statistics.median(whole[repeats // 4 :]) / 1e3, 1)
     return out
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _gpu_wait(seconds: float) -> None:
+    if torch.cuda.is_available():
+        torch.cuda._sleep(int(seconds * 1.5e9))  # ~cycles at 1.5 GHz; waited on by the driver, as a pass's token is
+        torch.cuda.synchronize()
+
+
+BETWEEN_CALLS: dict[str, Callable[[], None]] = {
+    "": lambda: None,
+    "_after_sleep_16ms": lambda: time.sleep(0.016),
+    "_after_spin_16ms": lambda: _spin(0.016),
+    "_after_gpu_wait_16ms": lambda: _gpu_wait(0.016),
+}
+"""What each call of the engine part follows: nothing (back to back), a 16 ms sleep, a 16 ms busy loop, or a
+16 ms GPU kernel waited on by the CUDA driver (a 4000-token pass's time): a host whose Python slows after an idle
+wait runs a real pass's host part slower than back-to-back calls show."""
 
 
 def main() -> int:

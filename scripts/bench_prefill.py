@@ -5,6 +5,10 @@ Default shape (issue 4): Llama with hidden 2048, 16 layers, 32 heads, 8 KV heads
 vocab 128256, bf16, seeded dummy weights, a 4000-token prompt. Prints a table and writes JSON.
 
     python scripts/bench_prefill.py --out bench/results/prefill.json
+
+An engine call adds the request and steps until its first token is on the host (TTFT, "ttft_median_ms"), then
+flushes (the finished request's blocks go back): "median_ms" is the whole call. transformers' call is its
+forward alone (logits of the last position; no sampling, no copy to the host).
 """
 
 from __future__ import annotations
@@ -48,18 +52,27 @@ def write_config(folder: Path) -> Path:
     return folder
 
 
-def time_cuda(fn, repeats: int) -> list[float]:  # type: ignore[no-untyped-def]
+def time_cuda(fn, repeats: int, first: list[float] | None = None) -> list[float]:  # type: ignore[no-untyped-def]
+    """Each call's wall time (ms); fn may return when (perf_counter) its first token was out, kept in `first`."""
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        fn()
+        first_at = fn()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
+        if first is not None and first_at is not None:
+            first.append((first_at - start) * 1e3)
     return times
 
 
-def bench_engine(folder: Path, tokens: int, repeats: int, backend: str, eager: bool = False) -> list[float]:
+TTFT: dict[str, list[float]] = {}
+"""Each engine run's times to the first token (ms), by run name."""
+
+
+def bench_engine(
+    folder: Path, tokens: int, repeats: int, backend: str, eager: bool = False, name: str = ""
+) -> list[float]:
     """engine.generate of one prompt of `tokens` tokens (max_tokens 1), timed per call."""
     model = ModelConfig.from_pretrained(folder, dtype="bfloat16", load_format="dummy")
     cfg = EngineConfig(
@@ -80,11 +93,18 @@ def bench_engine(folder: Path, tokens: int, repeats: int, backend: str, eager: b
     made = [torch.randint(0, vocab, (tokens,), generator=gen).tolist() for _ in range(repeats + 16)]
     prompts = itertools.cycle([unpack_token_ids(pack_token_ids(ids)) for ids in made])
 
-    def run() -> None:
-        engine.generate([next(prompts)], one)
+    ids = itertools.count()
+
+    def run() -> float:
+        engine.add_request(f"bench-{next(ids)}", next(prompts), one)
+        while not engine.step():
+            pass
+        first_at = time.perf_counter()
+        engine.flush_commits()
+        return first_at
 
     time_cuda(run, 3)
-    times = time_cuda(run, repeats)
+    times = time_cuda(run, repeats, TTFT.setdefault(name or f"pdserve-{backend}", []))
     if HOST_TIMELINE and backend == "triton" and not eager:
         DETAILS.setdefault("host_timeline_us", {})[tokens] = print_host_timeline(run)
     if PROFILE:
@@ -286,7 +306,7 @@ def pointer_loads(folder: Path, tokens: int, repeats: int) -> list[float]:
     saved = pa.tma_supported
     pa.tma_supported = lambda *tensors: False
     try:
-        return bench_engine(folder, tokens, repeats, "triton")
+        return bench_engine(folder, tokens, repeats, "triton", name="pdserve-triton-pointer-loads")
     finally:
         pa.tma_supported = saved
 
@@ -296,7 +316,7 @@ def graphs_vs_eager(folder: Path, lengths: list[int]) -> dict[int, dict[str, flo
     rows = {}
     for n in lengths:
         row = {
-            mode: statistics.median(bench_engine(folder, n, 20, "triton", mode == "eager"))
+            mode: statistics.median(bench_engine(folder, n, 20, "triton", mode == "eager", f"{n}-tokens-{mode}"))
             for mode in ("graphs", "eager")
         }
         rows[n] = row
@@ -332,11 +352,13 @@ def main() -> int:
         "command": " ".join(sys.argv),
         "median_ms": {k: statistics.median(v) for k, v in rows.items()},
         "p90_ms": {k: sorted(v)[int(0.9 * (len(v) - 1))] for k, v in rows.items()},
+        "ttft_median_ms": {k: statistics.median(v) for k, v in TTFT.items() if v},
     }
     base = result["median_ms"]["transformers"]
     result["ratio_vs_transformers"] = {k: v / base for k, v in result["median_ms"].items()}
     for k, v in result["median_ms"].items():
-        print(f"{k:20s} median {v:8.2f} ms")
+        ttft = result["ttft_median_ms"].get(k)
+        print(f"{k:20s} median {v:8.2f} ms" + (f"  (first token {ttft:.2f} ms)" if ttft else ""))
     if args.lengths:
         result["graphs_vs_eager_median_ms"] = graphs_vs_eager(folder, [int(n) for n in args.lengths.split(",")])
     result |= DETAILS
