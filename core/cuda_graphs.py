@@ -9,7 +9,10 @@ backend's workspaces are allocated (by the first, largest warm-up) before any ca
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -18,6 +21,25 @@ from kernels.attention import AttentionBackend
 
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
 """(input_ids [batch], positions [batch], metadata) -> logits [batch, vocab] float32."""
+
+
+@contextlib.contextmanager
+def capture(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:  # pool: torch.cuda.graph_pool_handle()
+    """torch.cuda.graph with Python's cyclic collector off until the capture ends.
+
+    NOTE: torch collects before a capture, but a collection the capture's own allocations trigger may free
+    unrelated garbage holding CUDA objects (a dropped engine's events and graphs), whose destructors make CUDA
+    calls a capture forbids: the process aborted so in a GPU test run (2026-11-26, test_engine_cuda capturing
+    after an earlier test's engines were dropped).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -59,7 +81,7 @@ class DecodeGraphs:
         self.forward(ids, pos, meta)  # warm-up: compiles kernels, allocates workspaces
         torch.cuda.synchronize(batch.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with capture(graph, self._pool):
             logits = self.forward(ids, pos, meta)  # [size, vocab]
         return graph, logits
 

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from core.cuda_graphs import capture
 from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows
 from kernels.pass_inputs import fill_positions_slots
 from kernels.prefill_splits import SPLIT_MAX_TOKENS, SPLIT_MIN_PREFIX, choose_num_splits
@@ -123,7 +124,7 @@ class PrefillGraphs:
             self.logits = torch.empty_like(warm)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with capture(graph, self._pool):
             self._copy_in()
             self.logits.copy_(self._forward(*args))  # [PREFILL_GRAPH_SEQS, vocab]
         return graph
