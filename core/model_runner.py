@@ -13,7 +13,7 @@ import torch
 from core.config import EngineConfig
 from core.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from core.decode_batch import DecodeBatch
-from core.models import load_model
+from core.models import interleave_mlp_weights, load_model
 from core.prefill_graphs import PREFILL_GRAPH_SEQS, HostInputs, PrefillGraphs
 from core.request import Request
 from core.sampler import SamplingState
@@ -129,6 +129,8 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.backend = backend or make_backend(cfg, self.device)
         self.model = load_model(cfg.model, self.backend, self.device)
+        if self._uses_triton():
+            interleave_mlp_weights(self.model)
         self.num_blocks = resolve_num_blocks(cfg, self.device)
         kv_dtype = getattr(torch, cfg.cache.kv_dtype or cfg.model.dtype)
         shape = kv_pool_shape(cfg, self.num_blocks)
@@ -145,12 +147,15 @@ class ModelRunner:
         self.graphs = self._capture_graphs() if self._uses_graphs() and cfg.capture_decode else None
         self.prefill_graphs = self._capture_prefill_graphs(max_blocks) if self._uses_graphs() else None
 
-    def _uses_graphs(self) -> bool:
-        if self.device.type != "cuda" or self.cfg.enforce_eager:
+    def _uses_triton(self) -> bool:
+        if self.device.type != "cuda":
             return False
         from kernels.triton_backend import TritonAttention  # triton is only needed on CUDA
 
         return isinstance(self.backend, TritonAttention)
+
+    def _uses_graphs(self) -> bool:
+        return self._uses_triton() and not self.cfg.enforce_eager
 
     def _capture_graphs(self) -> DecodeGraphs:
         sizes = graph_batch_sizes(self.cfg.scheduler.max_num_seqs)

@@ -187,12 +187,14 @@ def _silu_and_mul_kernel(
     stride_u,
     stride_o,
     BLOCK: tl.constexpr,
+    HALF: tl.constexpr,  # 0: gate and up apart; else blocks of HALF columns, gate then up (silu_and_mul_blocks)
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
-    g = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
+    cols = offs if HALF == 0 else (offs // HALF) * (2 * HALF) + offs % HALF
+    g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # F.silu: fp32 math, rounded once to the dtype
     tl.store(out_ptr + row * stride_o + offs, (act * u).to(dtype), mask=mask)
@@ -213,9 +215,42 @@ def silu_and_mul_triton(
     block = min(SILU_BLOCK, triton.next_power_of_2(inter))
     if num_tokens > 0:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            gate, up, out, inter, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block, num_warps=4
+            gate, up, out, inter, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block, HALF=0, num_warps=4
         )
     return out
+
+
+def silu_and_mul_blocks_triton(
+    gate_up: Tensor,  # [num_tokens, 2 * inter]: blocks of `half` gate columns, each followed by its up columns
+    half: int,
+    out: Tensor | None = None,  # [num_tokens, inter], written in place
+) -> Tensor:  # [num_tokens, inter], gate_up's dtype
+    """silu(gate) * up of a GEMM over an interleaved gate/up weight (kernels/swiglu_gemm.py): output column
+    j * half + c comes from gate column 2 * j * half + c and up column (2 * j + 1) * half + c."""
+    num_tokens, two_inter = gate_up.shape
+    inter = two_inter // 2
+    assert two_inter % (2 * half) == 0 and half & (half - 1) == 0, f"width {two_inter}, half {half}"
+    _check_rows("gate_up", gate_up, gate_up.shape, gate_up.dtype)
+    out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device) if out is None else out
+    _check_rows("out", out, torch.Size((num_tokens, inter)), gate_up.dtype)
+    block = min(SILU_BLOCK, triton.next_power_of_2(inter))
+    if num_tokens > 0:
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+            gate_up, gate_up[:, half:], out, inter, gate_up.stride(0), gate_up.stride(0), out.stride(0), BLOCK=block,
+            HALF=half, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def silu_and_mul_blocks_ref(gate_up: Tensor, half: int) -> Tensor:  # [n, 2 * inter] -> [n, inter]
+    """Torch reference of silu_and_mul_blocks_triton."""
+    blocks = gate_up.view(gate_up.shape[0], -1, 2, half)  # [n, blocks, gate | up, half]
+    return silu_and_mul_ref(blocks[:, :, 0], blocks[:, :, 1]).reshape(gate_up.shape[0], -1)
+
+
+def silu_and_mul_blocks(gate_up: Tensor, half: int) -> Tensor:
+    """silu(gate) * up over interleaved gate/up blocks: the Triton kernel on CUDA, torch elsewhere."""
+    return silu_and_mul_blocks_triton(gate_up, half) if _use_triton(gate_up) else silu_and_mul_blocks_ref(gate_up, half)
 
 
 def silu_and_mul_ref(gate: Tensor, up: Tensor) -> Tensor:

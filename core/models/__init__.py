@@ -27,3 +27,8 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
     if missing:
         raise ValueError(f"checkpoint {cfg.path} lacks parameters: {sorted(missing)[:5]}")
     return model
+
+
+def interleave_mlp_weights(model: nn.Module) -> int:
+    """Every MLP that can run the fused SwiGLU GEMM stores its gate/up weight for it; returns how many did."""
+    return sum(m.interleave_weights() for m in model.modules() if isinstance(m, llama.LlamaMLP))

@@ -20,6 +20,9 @@ class MergedLinear(nn.Linear):
         super().__init__(in_features, sum(shards.values()), bias=bias)
         self.shards = shards  # part name -> output rows, in stacking order
         self.splits = list(shards.values())
+        self.interleave = 0
+        """Two parts stored in blocks of this many rows, [a_0, b_0, a_1, b_1, ...] (kernels/swiglu_gemm.py's
+        layout; LlamaMLP.interleave_weights); 0: stacked in order."""
 
     def rows(self, x: torch.Tensor, start: int, stop: int | None = None) -> torch.Tensor:
         """The projection onto output rows [start, stop) of the stacked weight alone (one part's GEMM)."""

@@ -18,7 +18,14 @@ from core.models.layers import MergedLinear, VocabEmbedding
 from core.models.loading import copy_weights
 from core.models.rope import RotaryEmbedding
 from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, Rope
-from kernels.fused_ops import rms_norm, silu_and_mul
+from kernels.fused_ops import rms_norm, silu_and_mul, silu_and_mul_blocks
+from kernels.swiglu_gemm import (
+    FUSED_MIN_TOKENS,
+    SWIGLU_BLOCK,
+    fused_swiglu_supported,
+    interleave_gate_up,
+    swiglu_gemm,
+)
 
 
 class RMSNorm(nn.Module):
@@ -97,7 +104,22 @@ class LlamaMLP(nn.Module):
         self.act = activation(hf.hidden_act)
         self.fused_silu = hf.hidden_act == "silu"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def interleave_weights(self) -> bool:
+        """Store gate/up in SWIGLU_BLOCK-row blocks for the fused SwiGLU GEMM (kernels/swiglu_gemm.py) where it can
+        run (CUDA, sm_90+, 16-bit, SiLU, no bias); returns whether it did. Call once, after the weights are in."""
+        proj = self.gate_up_proj
+        if proj.interleave or not self.fused_silu or not fused_swiglu_supported(proj.weight, proj.bias):
+            return False
+        with torch.no_grad():
+            proj.weight.copy_(interleave_gate_up(proj.weight))
+        proj.interleave = SWIGLU_BLOCK
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
+        if self.gate_up_proj.interleave:
+            if x.shape[0] >= FUSED_MIN_TOKENS and x.is_contiguous():
+                return self.down_proj(swiglu_gemm(x, self.gate_up_proj.weight))
+            return self.down_proj(silu_and_mul_blocks(self.gate_up_proj(x), self.gate_up_proj.interleave))
         gate, up = self.gate_up_proj(x).split(self.gate_up_proj.splits, dim=-1)  # [num_tokens, inter] each
         return self.down_proj(silu_and_mul(gate, up) if self.fused_silu else self.act(gate) * up)
 

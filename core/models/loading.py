@@ -12,6 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 from core.models.layers import MergedLinear, VocabEmbedding
+from kernels.swiglu_gemm import deinterleave_gate_up
 
 
 def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -78,8 +79,8 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str | None, torch.Ten
 
 
 def unmerged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's weights under checkpoint names and shapes (views): each MergedLinear split back into its
-    parts, each VocabEmbedding without its padding rows."""
+    """The model's weights under checkpoint names and shapes (views, but copies of interleaved parts): each
+    MergedLinear split back into its parts, each VocabEmbedding without its padding rows."""
     modules = dict(model.named_modules())
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
@@ -91,7 +92,8 @@ def unmerged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             out.setdefault(name, tensor)
             continue
         parent = module.rpartition(".")[0]
-        for part, piece in zip(fused.shards, tensor.split(fused.splits), strict=True):
+        stacked = deinterleave_gate_up(tensor, fused.interleave) if fused.interleave else tensor
+        for part, piece in zip(fused.shards, stacked.split(fused.splits), strict=True):
             out[f"{parent}.{part}.{leaf}"] = piece
     return out
 

@@ -87,8 +87,23 @@ def check_silu_and_mul(dtype: torch.dtype, num_tokens: int, inter: int, device: 
     assert_pad_untouched(out_buf, inter, "silu_and_mul out")
 
 
+def check_silu_and_mul_blocks(
+    dtype: torch.dtype, num_tokens: int, inter: int, half: int, device: str, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = strided(randn((num_tokens, 2 * inter), gen, dtype, device) * 3)  # a GEMM over an interleaved weight
+    out_buf, out = poisoned((num_tokens, inter), dtype, device)
+    fused_ops.silu_and_mul_blocks_triton(gate_up, half, out=out)
+    assert_matches(out, fused_ops.silu_and_mul_blocks_ref(gate_up, half), "silu_and_mul_blocks")
+    assert_pad_untouched(out_buf, inter, "silu_and_mul_blocks out")
+    blocks = gate_up.reshape(num_tokens, -1, 2, half)
+    gate, up = (blocks[:, :, i].reshape(num_tokens, inter) for i in (0, 1))
+    assert torch.equal(out, fused_ops.silu_and_mul_triton(gate, up)), "blocks differ from the stacked layout's"
+
+
 RMS_CASES = [(1, 64), (7, 576), (130, 2048), (9, 5120), (3, 8192)]  # num_tokens, hidden
 SILU_CASES = [(1, 64), (5, 1536), (17, 8192), (3, 11008)]  # num_tokens, intermediate
+SILU_BLOCK_CASES = [(1, 128, 64), (5, 1536, 128), (33, 8192, 128), (3, 256, 128)]  # num_tokens, intermediate, half
 
 
 @pytest.mark.gpu
@@ -114,6 +129,13 @@ def test_rms_norm_output_dtype_follows_torch_promotion() -> None:
 @pytest.mark.parametrize("case", SILU_CASES, ids=[f"{n}x{i}" for n, i in SILU_CASES])
 def test_silu_and_mul_matches_reference(dtype: str, case: tuple[int, int]) -> None:
     check_silu_and_mul(DTYPES[dtype], *case, device="cuda", seed=case[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", SILU_BLOCK_CASES, ids=[f"{n}x{i}/{h}" for n, i, h in SILU_BLOCK_CASES])
+def test_silu_and_mul_over_interleaved_blocks_matches_reference(dtype: str, case: tuple[int, int, int]) -> None:
+    check_silu_and_mul_blocks(DTYPES[dtype], *case, device="cuda", seed=case[1])
 
 
 @pytest.mark.gpu
@@ -165,6 +187,7 @@ def _interpreter_checks() -> None:
         check_rms_norm(dtype, 3, 576, with_residual=False, device="cpu", seed=1)
         check_rms_norm(dtype, 4, 64, with_residual=True, device="cpu", seed=2)
         check_silu_and_mul(dtype, 3, 1536, device="cpu", seed=3)
+        check_silu_and_mul_blocks(dtype, 3, 768, 128, device="cpu", seed=4)
     print("interpreter checks passed")
 
 

@@ -52,3 +52,27 @@ def test_a_part_of_the_wrong_shape_is_refused(tmp_path: Path, tiny_llama_dir: Pa
     save_file(checkpoint, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match="k_proj"):
         load_model(ModelConfig.from_pretrained(folder, dtype="float32"), TorchAttention(), "cpu")
+
+
+def test_an_interleaved_gate_up_weight_exports_and_runs_as_the_stacked_one(tiny_llama_dir: Path) -> None:
+    """kernels/swiglu_gemm.py's layout: [g_0, u_0, g_1, u_1, ...] blocks; checkpoint export undoes it, and the MLP
+    over it (cuBLAS-style GEMM + SiLU-and-mul over the blocks) computes what it did over [gate; up]."""
+    from core.models.llama import LlamaMLP
+    from kernels.swiglu_gemm import deinterleave_gate_up, interleave_gate_up
+
+    w = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)  # gate rows 0-3, up rows 4-7
+    il = interleave_gate_up(w, block=2)
+    assert il[:, 0].tolist() == [0, 3, 12, 15, 6, 9, 18, 21]  # g0 g1 u0 u1 g2 g3 u2 u3
+    assert torch.equal(deinterleave_gate_up(il, block=2), w)
+    model = load_model(ModelConfig.from_pretrained(tiny_llama_dir, dtype="float32"), TorchAttention(), "cpu")
+    before = {k: v.clone() for k, v in unmerged_state_dict(model).items()}  # views otherwise
+    mlp = next(m for m in model.modules() if isinstance(m, LlamaMLP))
+    x = torch.randn(5, mlp.gate_up_proj.in_features, generator=torch.Generator().manual_seed(0))
+    want = mlp(x)
+    assert not mlp.interleave_weights(), "the fused path needs CUDA: a CPU model keeps [gate; up]"
+    with torch.no_grad():
+        mlp.gate_up_proj.weight.copy_(interleave_gate_up(mlp.gate_up_proj.weight, block=32))
+    mlp.gate_up_proj.interleave = 32
+    torch.testing.assert_close(mlp(x), want, rtol=1e-6, atol=1e-6)
+    after = unmerged_state_dict(model)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
