@@ -126,7 +126,7 @@ class Scheduler:
         return req.status is RequestStatus.RUNNING and req.num_computed_tokens < req.num_prompt_tokens
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
-        self.kv.defer_free(req)
+        self.kv.free(req)  # NOTE: now, not deferred: the request that yields frees blocks this schedule needs
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         plan.chunks = [c for c in plan.chunks if c.req is not req]

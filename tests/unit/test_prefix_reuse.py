@@ -137,6 +137,18 @@ def test_preemption_keeps_outputs_exact(tiny_llama_dir: Path, reference: Engine)
     assert engine.pool.num_used_blocks == 0
 
 
+def test_a_preempted_request_gives_its_blocks_back_within_the_schedule(tiny_llama_dir: Path) -> None:
+    """Unlike a finished request's (freed at the flush), a victim's blocks are what the schedule preempted it for."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    engine = engine_for(tiny_llama_dir, num_blocks=12)
+    for i, prompt in enumerate(random_prompts(1024, (20, 30, 25, 18), seed=7)):
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+        assert all(not r.block_ids for r in engine.scheduler.waiting), "a preempted request still holds blocks"
+    assert engine.stats.num_preemptions > 0
+
+
 def test_abort_frees_every_block(tiny_llama_dir: Path) -> None:
     prompts = random_prompts(1024, (40, 33), seed=8)
     engine = engine_for(tiny_llama_dir)
