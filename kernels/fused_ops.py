@@ -212,10 +212,15 @@ def silu_and_mul_triton(
     _check_rows("up", up, gate.shape, gate.dtype)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if out is None else out
     _check_rows("out", out, gate.shape, gate.dtype)
+    return _launch_silu_and_mul(gate, up, out, half=0)
+
+
+def _launch_silu_and_mul(gate: Tensor, up: Tensor, out: Tensor, half: int) -> Tensor:  # out: [num_tokens, inter]
+    num_tokens, inter = out.shape
     block = min(SILU_BLOCK, triton.next_power_of_2(inter))
     if num_tokens > 0:
         _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            gate, up, out, inter, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block, HALF=0, num_warps=4
+            gate, up, out, inter, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block, HALF=half, num_warps=4
         )
     return out
 
@@ -233,13 +238,7 @@ def silu_and_mul_blocks_triton(
     _check_rows("gate_up", gate_up, gate_up.shape, gate_up.dtype)
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device) if out is None else out
     _check_rows("out", out, torch.Size((num_tokens, inter)), gate_up.dtype)
-    block = min(SILU_BLOCK, triton.next_power_of_2(inter))
-    if num_tokens > 0:
-        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
-            gate_up, gate_up[:, half:], out, inter, gate_up.stride(0), gate_up.stride(0), out.stride(0), BLOCK=block,
-            HALF=half, num_warps=4,
-        )  # fmt: skip
-    return out
+    return _launch_silu_and_mul(gate_up, gate_up[:, half:], out, half)
 
 
 def silu_and_mul_blocks_ref(gate_up: Tensor, half: int) -> Tensor:  # [n, 2 * inter] -> [n, inter]

@@ -20,8 +20,6 @@ graph captures it like any launch. A 4000-token prefill of the 1B Llama shape (d
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -115,17 +113,13 @@ if triton is not None:
             o_desc.store([pm * BM, pn * (BN // 2)], (act * u).to(dtype))
 
 
-@functools.cache
-def _num_sms(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def swiglu_gemm(
     x: Tensor,  # [num_tokens, K]
     weight: Tensor,  # [2I, K], interleaved
     out: Tensor | None = None,  # [num_tokens, I]
 ) -> Tensor:  # [num_tokens, I], x's dtype
     """silu(x @ gate^T) * (x @ up^T) for an interleaved gate/up weight (fused_swiglu_supported must hold)."""
+    from kernels.decode_attention import device_num_sms
     from kernels.prefill_attention import _set_triton_allocator
 
     num_tokens, k = x.shape
@@ -139,7 +133,7 @@ def swiglu_gemm(
     _set_triton_allocator()
     bn = 2 * SWIGLU_BLOCK
     tiles = triton.cdiv(num_tokens, _BM) * (two_i // bn)
-    num_sms = _num_sms(x.device.index or 0)
+    num_sms = device_num_sms(x.device)
     _swiglu_gemm_kernel[(min(num_sms, tiles),)](
         x, weight, out, num_tokens, two_i, k, NUM_SMS=num_sms, BM=_BM, BN=bn, BK=_BK, GROUP_M=_GROUP_M,
         num_warps=_WARPS, num_stages=_STAGES,

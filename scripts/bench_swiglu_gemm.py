@@ -3,7 +3,7 @@
 intermediate 8192, bf16): the fused Triton GEMM (kernels/swiglu_gemm.py) against cuBLAS + the SiLU-and-mul
 kernel, over the stacked weight and over the interleaved one (the short-pass path), same process; microseconds
 per call (median of CUDA-graph replays of 20 back-to-back calls), TFLOP/s, and how many outputs differ from the
-cuBLAS path. Sets FUSED_MIN_TOKENS. Prints JSON.
+cuBLAS path (the figures behind FUSED_MIN_TOKENS). Prints JSON.
 
     python scripts/bench_swiglu_gemm.py [--tokens 256,512,1024,2048,4000] [--out FILE]
 """
@@ -13,37 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tune_decode_attention import median_us  # noqa: E402
+
 from kernels.fused_ops import silu_and_mul_blocks_triton, silu_and_mul_triton  # noqa: E402
 from kernels.swiglu_gemm import SWIGLU_BLOCK, interleave_gate_up, swiglu_gemm  # noqa: E402
 
 HIDDEN, INTER = 2048, 8192
-
-
-def graph_us(fn: Callable[[], object], calls: int = 20, replays: int = 7) -> float:
-    """Median microseconds per call over `replays` replays of a graph of `calls` back-to-back calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return round(sorted(times)[len(times) // 2], 2)
 
 
 def bench(tokens: int, weight: torch.Tensor, weight_il: torch.Tensor) -> dict[str, Any]:
@@ -64,7 +45,7 @@ def bench(tokens: int, weight: torch.Tensor, weight_il: torch.Tensor) -> dict[st
 
     row: dict[str, Any] = {"tokens": tokens}
     for name, fn in (("cublas_silu_us", stacked), ("cublas_blocks_silu_us", interleaved), ("fused_us", fused)):
-        row[name] = graph_us(fn)
+        row[name] = round(median_us(fn, repeats=7, inner=20), 2)
     flop = 2 * tokens * HIDDEN * 2 * INTER
     row["fused_tflops"] = round(flop / row["fused_us"] / 1e6, 1)
     row["fused_vs_cublas"] = round(row["cublas_silu_us"] / row["fused_us"], 3)
