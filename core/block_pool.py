@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from core.messages import KV_REMOVED, KV_STORED
+from pdserve.core.messages import KV_REMOVED, KV_STORED
 
 NULL_BLOCK_ID = 0
 """Padding block: never allocated, never freed, never cached."""

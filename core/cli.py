@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -70,7 +70,7 @@ class ModelConfig:
         cls, path: str | Path, dtype: str = "float32", load_format: LoadFormat = "auto", seed: int = 0
     ) -> ModelConfig:
         """Read config.json (and generation_config.json for eos ids) from a model folder."""
-        from core.hf_config import load_hf_config
+        from pdserve.core.hf_config import load_hf_config
 
         hf = load_hf_config(path)
         return cls.from_hf_config(hf, str(path), dtype=dtype, load_format=load_format, seed=seed)

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from core.decode_batch import DecodeBatch
-from kernels.attention import AttentionBackend
+from pdserve.core.decode_batch import DecodeBatch
+from pdserve.kernels.attention import AttentionBackend
 
 DecodeForward = Callable[[torch.Tensor, torch.Tensor, object], torch.Tensor]
 """(input_ids [batch], positions [batch], metadata) -> logits [batch, vocab] float32."""

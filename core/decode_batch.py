@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
-from core.request import Request
-from kernels.attention import AttentionMetadata
+from pdserve.core.request import Request
+from pdserve.kernels.attention import AttentionMetadata
 
 
 class DecodeBatch:

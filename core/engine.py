@@ -9,17 +9,17 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from core.block_pool import BlockPool
-from core.config import EngineConfig
-from core.errors import InvalidRequestError
-from core.kv_cache_manager import CachedLogits, KVCacheManager
-from core.messages import TokenIds
-from core.model_runner import KVAllocator, ModelRunner, is_decode_pass
-from core.request import Request, RequestStatus
-from core.sampler import Sampler, SamplingState
-from core.sampling_params import SamplingParams
-from core.scheduler import Scheduler, StepPlan
-from kernels.attention import AttentionBackend
+from pdserve.core.block_pool import BlockPool
+from pdserve.core.config import EngineConfig
+from pdserve.core.errors import InvalidRequestError
+from pdserve.core.kv_cache_manager import CachedLogits, KVCacheManager
+from pdserve.core.messages import TokenIds
+from pdserve.core.model_runner import KVAllocator, ModelRunner, is_decode_pass
+from pdserve.core.request import Request, RequestStatus
+from pdserve.core.sampler import Sampler, SamplingState
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.scheduler import Scheduler, StepPlan
+from pdserve.kernels.attention import AttentionBackend
 
 
 class RequestOutput(NamedTuple):

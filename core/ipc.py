@@ -19,7 +19,7 @@ from pathlib import Path
 
 import zmq
 
-from core.messages import MAX_MESSAGE_BYTES, Message, MessageError, decode, encode
+from pdserve.core.messages import MAX_MESSAGE_BYTES, Message, MessageError, decode, encode
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from typing import NamedTuple
 
 import torch
 
-from core.block_pool import BlockPool, hash_block_tokens, hash_full_blocks
-from core.request import Request
+from pdserve.core.block_pool import BlockPool, hash_block_tokens, hash_full_blocks
+from pdserve.core.request import Request
 
 
 class BlockCopy(NamedTuple):

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from core import ipc
-from core.block_pool import BlockEvent, BlockPool
-from core.messages import KvEventBatchEvent, KvSnapshotEvent, encode
+from pdserve.core import ipc
+from pdserve.core.block_pool import BlockEvent, BlockPool
+from pdserve.core.messages import KvEventBatchEvent, KvSnapshotEvent, encode
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-from core.sampling_params import SamplingParams
+from pdserve.core.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 << 20

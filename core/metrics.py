@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from core.gc_pauses import GENERATIONS
-from core.messages import HeartbeatEvent
+from pdserve.core.gc_pauses import GENERATIONS
+from pdserve.core.messages import HeartbeatEvent
 
 HANDOFF_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 COUNTERS: dict[str, tuple[str, str]] = {

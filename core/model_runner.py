@@ -10,18 +10,18 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from core.config import EngineConfig
-from core.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from core.decode_batch import DecodeBatch
-from core.models import interleave_mlp_weights, load_model
-from core.prefill_graphs import PREFILL_GRAPH_SEQS, HostInputs, PrefillGraphs
-from core.request import Request
-from core.sampler import SamplingState
-from core.sampling_params import SamplingParams
-from core.scheduler import ScheduledChunk, StepPlan
-from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, TorchAttention
-from kernels.pass_inputs import token_positions_slots
-from kernels.prefill_splits import SPLIT_MAX_TOKENS, SPLIT_MIN_PREFIX
+from pdserve.core.config import EngineConfig
+from pdserve.core.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from pdserve.core.decode_batch import DecodeBatch
+from pdserve.core.models import interleave_mlp_weights, load_model
+from pdserve.core.prefill_graphs import PREFILL_GRAPH_SEQS, HostInputs, PrefillGraphs
+from pdserve.core.request import Request
+from pdserve.core.sampler import SamplingState
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.scheduler import ScheduledChunk, StepPlan
+from pdserve.kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, TorchAttention
+from pdserve.kernels.pass_inputs import token_positions_slots
+from pdserve.kernels.prefill_splits import SPLIT_MAX_TOKENS, SPLIT_MIN_PREFIX
 
 WARMUP_LENGTHS = (1, 7, 16, 31, 64, 200)
 """Prompt lengths of the warm-up passes: each prefill-attention tile height (it follows the longest query)."""
@@ -60,7 +60,7 @@ def make_backend(cfg: EngineConfig, device: torch.device) -> AttentionBackend:
     """The attention backend a config names; auto picks Triton on CUDA."""
     name = cfg.attention_backend
     if name == "triton" or (name == "auto" and device.type == "cuda"):
-        from kernels.triton_backend import TritonAttention
+        from pdserve.kernels.triton_backend import TritonAttention
 
         # NOTE: a graphed prefill pass attends its PREFILL_GRAPH_SEQS logits rows as a decode batch
         return TritonAttention(max_batch=max(cfg.scheduler.max_num_seqs, PREFILL_GRAPH_SEQS))
@@ -150,7 +150,7 @@ class ModelRunner:
     def _uses_triton(self) -> bool:
         if self.device.type != "cuda":
             return False
-        from kernels.triton_backend import TritonAttention  # triton is only needed on CUDA
+        from pdserve.kernels.triton_backend import TritonAttention  # triton is only needed on CUDA
 
         return isinstance(self.backend, TritonAttention)
 

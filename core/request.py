@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.sampler import SamplingState
+from pdserve.core.sampler import SamplingState
 
 NO_TOKENS = np.zeros(0, dtype=np.int64)
 NO_TOKENS.flags.writeable = False

@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from core.sampling_params import SamplingParams
+from pdserve.core.sampling_params import SamplingParams
 
 FinishReason = Literal["stop", "length"]
 

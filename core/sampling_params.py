@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from core.errors import InvalidRequestError
+from pdserve.core.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.config import SchedulerConfig
-from core.kv_cache_manager import BlockCopy, CachedLogits, KVCacheManager
-from core.request import Request, RequestStatus
+from pdserve.core.config import SchedulerConfig
+from pdserve.core.kv_cache_manager import BlockCopy, CachedLogits, KVCacheManager
+from pdserve.core.request import Request, RequestStatus
 
 
 @dataclass

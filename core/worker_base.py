@@ -15,12 +15,12 @@ from typing import Any, Literal
 
 import zmq
 
-from core import ipc
-from core.engine import Engine
-from core.errors import InvalidRequestError
-from core.gc_pauses import GcPauses, freeze_startup_heap
-from core.kv_events import KvEventPublisher, KvOrigin
-from core.messages import (
+from pdserve.core import ipc
+from pdserve.core.engine import Engine
+from pdserve.core.errors import InvalidRequestError
+from pdserve.core.gc_pauses import GcPauses, freeze_startup_heap
+from pdserve.core.kv_events import KvEventPublisher, KvOrigin
+from pdserve.core.messages import (
     GenerateCmd,
     HeartbeatEvent,
     KvSnapshotCmd,
@@ -31,9 +31,9 @@ from core.messages import (
     sampling_to_params,
     unpack_token_ids,
 )
-from core.metrics import WorkerMetrics
-from core.step_timer import StepTimer
-from kernels.jit_watch import JitWatch
+from pdserve.core.metrics import WorkerMetrics
+from pdserve.core.step_timer import StepTimer
+from pdserve.kernels.jit_watch import JitWatch
 
 log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]

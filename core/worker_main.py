@@ -1,4 +1,4 @@
-"""Entry point shared by `python -m prefill_worker` and `python -m decode_worker`."""
+"""Entry point shared by `python -m pdserve.prefill_worker` and `python -m pdserve.decode_worker`."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from core.busy_poll import busy_poll_seconds
-from core.cli import add_cluster_args, add_engine_args, engine_config_from_args
-from core.config import EngineConfig
-from core.worker_base import WorkerBase
+from pdserve.core.busy_poll import busy_poll_seconds
+from pdserve.core.cli import add_cluster_args, add_engine_args, engine_config_from_args
+from pdserve.core.config import EngineConfig
+from pdserve.core.worker_base import WorkerBase
 
 WorkerFactory = Callable[[EngineConfig, argparse.Namespace], WorkerBase]
 
 
 def main(role: str, factory: WorkerFactory, argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {role}_worker", description=f"pdserve {role} worker")
+    parser = argparse.ArgumentParser(prog=f"python -m pdserve.{role}_worker", description=f"pdserve {role} worker")
     add_engine_args(parser)
     add_cluster_args(parser)
     args = parser.parse_args(argv)

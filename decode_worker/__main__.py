@@ -3,9 +3,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from core.config import EngineConfig
-from core.worker_main import main
-from decode_worker.worker import DecodeWorker
+from pdserve.core.config import EngineConfig
+from pdserve.core.worker_main import main
+from pdserve.decode_worker.worker import DecodeWorker
 
 
 def _build(cfg: EngineConfig, args: argparse.Namespace) -> DecodeWorker:

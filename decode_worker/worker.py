@@ -23,11 +23,11 @@ from typing import Any, NamedTuple
 import torch
 import zmq
 
-from core import ipc
-from core.config import EngineConfig
-from core.engine import Adoption, Engine
-from core.errors import InvalidRequestError
-from core.messages import (
+from pdserve.core import ipc
+from pdserve.core.config import EngineConfig
+from pdserve.core.engine import Adoption, Engine
+from pdserve.core.errors import InvalidRequestError
+from pdserve.core.messages import (
     AbortCmd,
     GenerateCmd,
     HandoffCmd,
@@ -46,11 +46,11 @@ from core.messages import (
     unpack_block_hashes,
     unpack_token_ids,
 )
-from core.sampler import SamplingState
-from core.worker_base import WorkerBase
-from kvtransfer.base import AUTO, TRANSPORTS, KVTransferError, KVTransferSink, PullHandle, make_sink
-from kvtransfer.layout import KVLayout
-from kvtransfer.pool import KVPool, allocate_kv_pool
+from pdserve.core.sampler import SamplingState
+from pdserve.core.worker_base import WorkerBase
+from pdserve.kvtransfer.base import AUTO, TRANSPORTS, KVTransferError, KVTransferSink, PullHandle, make_sink
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool
 
 log = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_MS = 10_000

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
-from kernels.rope_tiles import RopeTables, rope_ref_one
+from pdserve.kernels.rope_tiles import RopeTables, rope_ref_one
 
 
 @dataclass

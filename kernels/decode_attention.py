@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rope_tiles import RopeTables, check_tables, load_rotated
+from pdserve.kernels.rope_tiles import RopeTables, check_tables, load_rotated
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.rope_tiles import RopeTables, check_tables, load_rotated, rope_ref_one
+from pdserve.kernels.rope_tiles import RopeTables, check_tables, load_rotated, rope_ref_one
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.fused_ops import MAX_ROW, _check_rows, _jit, _use_triton
+from pdserve.kernels.fused_ops import MAX_ROW, _check_rows, _jit, _use_triton
 
 try:
     import triton

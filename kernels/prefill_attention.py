@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.prefill_splits import (
+from pdserve.kernels.prefill_splits import (
     MIN_SPLIT_TILES,
     PrefillWorkspace,
     cached_prefix_len,
@@ -43,7 +43,7 @@ from kernels.prefill_splits import (
     split_range,
     store_partial,
 )
-from kernels.prefill_tiles import attend_new, attend_prefix, load_q, new_token_inputs
+from pdserve.kernels.prefill_tiles import attend_new, attend_prefix, load_q, new_token_inputs
 
 LOG2E = 1.4426950408889634
 MIN_HEAD_DIM = 16

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.fused_ops import _jit
+from pdserve.kernels.fused_ops import _jit
 
 try:
     import triton.language as tl

@@ -119,8 +119,8 @@ def swiglu_gemm(
     out: Tensor | None = None,  # [num_tokens, I]
 ) -> Tensor:  # [num_tokens, I], x's dtype
     """silu(x @ gate^T) * (x @ up^T) for an interleaved gate/up weight (fused_swiglu_supported must hold)."""
-    from kernels.decode_attention import device_num_sms
-    from kernels.prefill_attention import _set_triton_allocator
+    from pdserve.kernels.decode_attention import device_num_sms
+    from pdserve.kernels.prefill_attention import _set_triton_allocator
 
     num_tokens, k = x.shape
     two_i = weight.shape[0]

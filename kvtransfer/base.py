@@ -34,8 +34,8 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 
-from kvtransfer.layout import KVLayout, check_compatible
-from kvtransfer.pool import KVPool
+from pdserve.kvtransfer.layout import KVLayout, check_compatible
+from pdserve.kvtransfer.pool import KVPool
 
 Transport = Literal["shm", "cuda_ipc", "dist"]
 TRANSPORTS: tuple[Transport, ...] = ("shm", "cuda_ipc", "dist")
@@ -218,9 +218,9 @@ class KVTransferSink(ABC):
 
 def make_source(kind: str, pool: KVPool, host: str = "127.0.0.1") -> KVTransferSource:
     """The source of transport kind ("shm" | "cuda_ipc" | "dist") over pool; host: where a dist source listens."""
-    from kvtransfer.cuda_ipc import CudaIpcSource
-    from kvtransfer.dist import DistSource
-    from kvtransfer.shm import ShmSource
+    from pdserve.kvtransfer.cuda_ipc import CudaIpcSource
+    from pdserve.kvtransfer.dist import DistSource
+    from pdserve.kvtransfer.shm import ShmSource
 
     if _check_kind(kind) == "dist":
         return DistSource(pool, host)
@@ -230,9 +230,9 @@ def make_source(kind: str, pool: KVPool, host: str = "127.0.0.1") -> KVTransferS
 
 def make_sink(kind: str, local_pool: KVPool, layout: KVLayout) -> KVTransferSink:
     """The sink of transport kind ("shm" | "cuda_ipc" | "dist") copying into local_pool (of layout)."""
-    from kvtransfer.cuda_ipc import CudaIpcSink
-    from kvtransfer.dist import DistSink
-    from kvtransfer.shm import ShmSink
+    from pdserve.kvtransfer.cuda_ipc import CudaIpcSink
+    from pdserve.kvtransfer.dist import DistSink
+    from pdserve.kvtransfer.shm import ShmSink
 
     sinks: dict[str, type[KVTransferSink]] = {"shm": ShmSink, "cuda_ipc": CudaIpcSink, "dist": DistSink}
     return sinks[_check_kind(kind)](local_pool, layout)

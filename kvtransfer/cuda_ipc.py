@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, PullHandle, descriptor_field
-from kvtransfer.layout import KVLayout
-from kvtransfer.pool import KVPool
+from pdserve.kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, PullHandle, descriptor_field
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.pool import KVPool
 
 if TYPE_CHECKING:
-    from kernels.block_copy import BlockCopy
+    from pdserve.kernels.block_copy import BlockCopy
 
 
 class CudaIpcSource(KVTransferSource):
@@ -104,7 +104,7 @@ class CudaIpcSink(KVTransferSink):
     ) -> tuple[torch.Tensor, ...]:
         """One block-copy launch (every block of every layer, K and V) on the sink's GPU and stream, reading
         the remote pool in place (on this GPU or a peer's); returns the id buffers it reads."""
-        from kernels.block_copy import BlockCopy  # NOTE: imported here: only CUDA sinks need triton
+        from pdserve.kernels.block_copy import BlockCopy  # NOTE: imported here: only CUDA sinks need triton
 
         local = self.local_pool.tensor
         plan = self._plans.get(remote.data_ptr())

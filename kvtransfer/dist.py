@@ -31,9 +31,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, PullHandle, descriptor_field
-from kvtransfer.layout import KVLayout
-from kvtransfer.pool import KVPool
+from pdserve.kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, PullHandle, descriptor_field
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.pool import KVPool
 
 log = logging.getLogger(__name__)
 TIMEOUT = datetime.timedelta(seconds=30)

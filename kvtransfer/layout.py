@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from core.config import EngineConfig, torch_dtype
+from pdserve.core.config import EngineConfig, torch_dtype
 
 FINGERPRINT_FIELDS = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
 """The fields of KVLayout that must agree between a source and a sink, in message order."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.layout import KVLayout
 
 SHM_DIR = Path("/dev/shm")
 """Where POSIX shared memory segments appear as files (Linux)."""

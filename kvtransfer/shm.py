@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, PullHandle, descriptor_field
-from kvtransfer.layout import KVLayout
-from kvtransfer.pool import KVPool, attach_shm_pool
+from pdserve.kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, PullHandle, descriptor_field
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.pool import KVPool, attach_shm_pool
 
 
 class ShmSource(KVTransferSource):

@@ -3,9 +3,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from core.config import EngineConfig
-from core.worker_main import main
-from prefill_worker.worker import PrefillWorker
+from pdserve.core.config import EngineConfig
+from pdserve.core.worker_main import main
+from pdserve.prefill_worker.worker import PrefillWorker
 
 
 def _build(cfg: EngineConfig, args: argparse.Namespace) -> PrefillWorker:

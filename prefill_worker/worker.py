@@ -10,10 +10,10 @@ from typing import Any, NamedTuple
 import torch
 import zmq
 
-from core import ipc
-from core.config import EngineConfig
-from core.engine import Engine, RequestOutput
-from core.messages import (
+from pdserve.core import ipc
+from pdserve.core.config import EngineConfig
+from pdserve.core.engine import Engine, RequestOutput
+from pdserve.core.messages import (
     AbortCmd,
     DecodeWorkerLostCmd,
     GenerateCmd,
@@ -32,11 +32,11 @@ from core.messages import (
     pack_token_ids,
     params_to_sampling,
 )
-from core.worker_base import WorkerBase
-from kvtransfer.base import AUTO, KVTransferError, KVTransferSource, make_source, pair_transport
-from kvtransfer.layout import KVLayout, LayoutMismatchError, check_compatible
-from kvtransfer.lease import LeaseTable
-from kvtransfer.pool import KVPool, allocate_kv_pool, remove_stale_segments
+from pdserve.core.worker_base import WorkerBase
+from pdserve.kvtransfer.base import AUTO, KVTransferError, KVTransferSource, make_source, pair_transport
+from pdserve.kvtransfer.layout import KVLayout, LayoutMismatchError, check_compatible
+from pdserve.kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool, remove_stale_segments
 
 log = logging.getLogger(__name__)
 

@@ -2,9 +2,10 @@
 
     python proto/generate.py [--out DIR]
 
-The include root is the repository root, so the .proto is known as "proto/pdserve/v1/pdserve.proto" and the
-generated gRPC module imports `from proto.pdserve.v1 import pdserve_pb2` with no rewriting. Output lands in
-DIR/proto/pdserve/v1/ (DIR defaults to the repository root, i.e. in place).
+The include root is the repository root, so the .proto is known as "proto/pdserve/v1/pdserve.proto"; protoc
+names the modules after that path (`proto.pdserve.v1`), and they are renamed to where pdserve installs them
+(`pdserve.proto.pdserve.v1`, pyproject.toml's package-dir). Output lands in DIR/proto/pdserve/v1/ (DIR
+defaults to the repository root, i.e. in place).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_FILES = ("proto/pdserve/v1/pdserve.proto",)
+PROTOC_MODULE = "proto.pdserve.v1"
+INSTALLED_MODULE = "pdserve.proto.pdserve.v1"
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -33,7 +36,12 @@ def generate(out_dir: Path) -> list[Path]:
         ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {proto}")
-    return sorted(p for proto in PROTO_FILES for p in (out_dir / proto).parent.glob("*_pb2*.py*"))
+    written = sorted(p for proto in PROTO_FILES for p in (out_dir / proto).parent.glob("*_pb2*.py*"))
+    for path in written:
+        text = path.read_text()
+        text = text.replace(f"from {PROTOC_MODULE} import", f"from {INSTALLED_MODULE} import")
+        path.write_text(text.replace(f"'{PROTOC_MODULE}.", f"'{INSTALLED_MODULE}."))
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""`python -m router`: the router process (see router/server.py)."""
+"""`python -m pdserve.router`: the router process (see router/server.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import asyncio
 import logging
 import sys
 
-from router.config import RouterConfig
-from router.server import StartupError, serve
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import StartupError, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m router", description="pdserve router: gRPC front end of the cluster")
+    p = argparse.ArgumentParser(
+        prog="python -m pdserve.router", description="pdserve router: gRPC front end of the cluster"
+    )
     p.add_argument("--model", required=True, help="model folder (config.json, tokenizer.json, chat template)")
     p.add_argument("--run-dir", required=True, help="the cluster's run directory (ipc sockets)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from core.messages import TokenIds
-from router.config import RouterConfig
-from router.prefix_index import PrefixIndex, prompt_block_hashes
-from router.routing import PendingPrefixes, PrefillLoad, RoundRobin, cached_tokens, choose_prefill_worker
+from pdserve.core.messages import TokenIds
+from pdserve.router.config import RouterConfig
+from pdserve.router.prefix_index import PrefixIndex, prompt_block_hashes
+from pdserve.router.routing import PendingPrefixes, PrefillLoad, RoundRobin, cached_tokens, choose_prefill_worker
 
 
 class NoWorkerError(RuntimeError):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-from core.messages import HeartbeatEvent
+from pdserve.core.messages import HeartbeatEvent
 
 Role = Literal["prefill", "decode"]
 ChangeKind = Literal["up", "down", "restarted"]

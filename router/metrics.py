@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from core.gc_pauses import GcPauses
-from core.metrics import gc_metrics, serve_registry
-from router.workers import WorkerHub
+from pdserve.core.gc_pauses import GcPauses
+from pdserve.core.metrics import gc_metrics, serve_registry
+from pdserve.router.workers import WorkerHub
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                      7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip

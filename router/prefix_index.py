@@ -25,8 +25,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from core.block_pool import hash_block_tokens, hash_full_blocks
-from core.messages import KV_STORED, KvEventBatchEvent, KvSnapshotEvent, TokenIds
+from pdserve.core.block_pool import hash_block_tokens, hash_full_blocks
+from pdserve.core.messages import KV_STORED, KvEventBatchEvent, KvSnapshotEvent, TokenIds
 
 MAX_HELD_EVENTS = 1 << 18
 """Events held per out-of-sync worker until its snapshot; the oldest batches go first (a later gap asks again)."""

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.messages import RequestErrorEvent, Sampling, TokenEvent
-from router.routing import PrefillLoad
+from pdserve.core.messages import RequestErrorEvent, Sampling, TokenEvent
+from pdserve.router.routing import PrefillLoad
 
 
 @dataclass(frozen=True)

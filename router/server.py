@@ -16,20 +16,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from core.gc_pauses import GcPauses, freeze_startup_heap
-from core.messages import MAX_MESSAGE_BYTES, RequestErrorEvent
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from router.admission import QueueFullError
-from router.config import RouterConfig
-from router.dispatch import NoWorkerError
-from router.metrics import RouterMetrics, StreamClock
-from router.model_info import ModelSpec
-from router.requests import DuplicateRequestError, TrackedRequest, WorkerLost
-from router.stream import FINISH_REASONS, ResponseBuilder, TokenReorderer, merge
-from router.tokenizer import RouterTokenizer
-from router.validation import RequestValidator, ValidationError
-from router.workers import WorkerHub
+from pdserve.core.gc_pauses import GcPauses, freeze_startup_heap
+from pdserve.core.messages import MAX_MESSAGE_BYTES, RequestErrorEvent
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.admission import QueueFullError
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import NoWorkerError
+from pdserve.router.metrics import RouterMetrics, StreamClock
+from pdserve.router.model_info import ModelSpec
+from pdserve.router.requests import DuplicateRequestError, TrackedRequest, WorkerLost
+from pdserve.router.stream import FINISH_REASONS, ResponseBuilder, TokenReorderer, merge
+from pdserve.router.tokenizer import RouterTokenizer
+from pdserve.router.validation import RequestValidator, ValidationError
+from pdserve.router.workers import WorkerHub
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name

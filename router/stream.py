@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from core.messages import Sampling, Timings, TokenEvent, TokenIds
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from router.tokenizer import RouterTokenizer, StopStringMatcher
+from pdserve.core.messages import Sampling, Timings, TokenEvent, TokenIds
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.router.tokenizer import RouterTokenizer, StopStringMatcher
 
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 

@@ -18,7 +18,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from core.messages import TokenIds
+from pdserve.core.messages import TokenIds
 
 REPLACEMENT_CHAR = "\ufffd"
 """What a decoder yields for bytes that are not (yet) a whole UTF-8 character."""

@@ -11,12 +11,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from core.errors import InvalidRequestError
-from core.messages import Sampling, params_to_sampling
-from core.sampling_params import SamplingParams
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from router.model_info import ModelSpec
-from router.tokenizer import ChatTemplateError, RouterTokenizer
+from pdserve.core.errors import InvalidRequestError
+from pdserve.core.messages import Sampling, params_to_sampling
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.router.model_info import ModelSpec
+from pdserve.router.tokenizer import ChatTemplateError, RouterTokenizer
 
 MAX_REQUEST_ID_LEN = 256
 DEFAULTS = SamplingParams()

@@ -27,8 +27,8 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from core import ipc
-from core.messages import (
+from pdserve.core import ipc
+from pdserve.core.messages import (
     MAX_MESSAGE_BYTES,
     AbortCmd,
     DecodeWorkerLostCmd,
@@ -47,13 +47,13 @@ from core.messages import (
     decode,
     pack_token_ids,
 )
-from router.admission import AdmissionQueue, NoRoomError, blocks_needed
-from router.busy_poll import BusyPoll
-from router.config import RouterConfig
-from router.dispatch import COLOCATED, Assignment, ClusterView, Dispatcher, NoWorkerError
-from router.liveness import Change, LayoutMismatch, Liveness, Role, WorkerState
-from router.prefix_index import PrefixIndex, WorkerKey
-from router.requests import DuplicateRequestError, RequestTable, TrackedRequest, WorkerLost, attempt_id
+from pdserve.router.admission import AdmissionQueue, NoRoomError, blocks_needed
+from pdserve.router.busy_poll import BusyPoll
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import COLOCATED, Assignment, ClusterView, Dispatcher, NoWorkerError
+from pdserve.router.liveness import Change, LayoutMismatch, Liveness, Role, WorkerState
+from pdserve.router.prefix_index import PrefixIndex, WorkerKey
+from pdserve.router.requests import DuplicateRequestError, RequestTable, TrackedRequest, WorkerLost, attempt_id
 
 log = logging.getLogger(__name__)
 SNAPSHOT_RETRY_S = 1.0

@@ -8,16 +8,13 @@ process, warm L2; microseconds per call, TFLOP/s and max error against an fp32 r
 
 import functools
 import json
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from pdserve.kernels.prefill_attention import paged_prefill_attention
 
 N, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4000, 32, 8, 64, 16
 BACKENDS = {

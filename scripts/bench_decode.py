@@ -22,11 +22,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from core.engine import Engine  # noqa: E402
-from core.sampling_params import SamplingParams  # noqa: E402
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.engine import Engine
+from pdserve.core.sampling_params import SamplingParams
 
 GPT2_124M: dict[str, Any] = dict(vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024)
 

@@ -30,12 +30,10 @@ from typing import NamedTuple
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.block_copy import DEFAULT_NUM_WARPS, DEFAULT_TILE_BYTES, copy_blocks  # noqa: E402
-from kvtransfer.cuda_ipc import CudaIpcSink  # noqa: E402
-from kvtransfer.layout import KVLayout  # noqa: E402
-from kvtransfer.pool import KVPool  # noqa: E402
+from pdserve.kernels.block_copy import DEFAULT_NUM_WARPS, DEFAULT_TILE_BYTES, copy_blocks
+from pdserve.kvtransfer.cuda_ipc import CudaIpcSink
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.pool import KVPool
 
 CALLS_PER_SLEEP = 25
 SLEEP_CYCLES = 20_000_000

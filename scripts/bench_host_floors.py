@@ -14,16 +14,14 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from proto.pdserve.v1 import pdserve_pb2 as pb  # noqa: E402
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc  # noqa: E402
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 ROUND_TRIPS = 3000
 CALLS = 2000

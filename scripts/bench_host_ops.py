@@ -25,8 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def per_call_us(fn: Callable[[], object], number: int = 2000, repeat: int = 5) -> float:
     """Best of `repeat` means over `number` calls, in microseconds."""
@@ -118,9 +116,9 @@ def engine_ops(repeats: int = 200) -> dict[str, float]:
 
     from transformers import LlamaConfig
 
-    from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from core.engine import Engine
-    from core.sampling_params import SamplingParams
+    from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from pdserve.core.engine import Engine
+    from pdserve.core.sampling_params import SamplingParams
 
     folder = Path(tempfile.mkdtemp())
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)

@@ -22,12 +22,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.block_copy import copy_blocks  # noqa: E402
-from kvtransfer.cuda_ipc import CudaIpcSink, enable_peer_access  # noqa: E402
-from kvtransfer.layout import KVLayout  # noqa: E402
-from kvtransfer.pool import KVPool  # noqa: E402
+from pdserve.kernels.block_copy import copy_blocks
+from pdserve.kvtransfer.cuda_ipc import CudaIpcSink, enable_peer_access
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.pool import KVPool
 
 
 def parse_args() -> argparse.Namespace:

@@ -25,12 +25,10 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from core.engine import Engine  # noqa: E402
-from core.messages import pack_token_ids, unpack_token_ids  # noqa: E402
-from core.sampling_params import SamplingParams  # noqa: E402
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.engine import Engine
+from pdserve.core.messages import pack_token_ids, unpack_token_ids
+from pdserve.core.sampling_params import SamplingParams
 
 SHAPE: dict[str, Any] = dict(
     hidden_size=2048,
@@ -301,7 +299,7 @@ def bench_transformers(folder: Path, tokens: int, repeats: int) -> list[float]:
 def pointer_loads(folder: Path, tokens: int, repeats: int) -> list[float]:
     """The Triton backend with the prefill kernel's new-token K/V read by pointer loads instead of TMA (the path
     GPUs before Hopper take), for an in-model comparison: standalone sweeps rank the two differently."""
-    import kernels.prefill_attention as pa
+    import pdserve.kernels.prefill_attention as pa
 
     saved = pa.tma_supported
     pa.tma_supported = lambda *tensors: False

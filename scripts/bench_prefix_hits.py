@@ -22,15 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_prefill import SHAPE, print_profile, time_cuda, write_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import kernels.prefill_splits as prefill_splits  # noqa: E402
-from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from core.engine import Engine  # noqa: E402
-from core.messages import pack_token_ids, unpack_token_ids  # noqa: E402
-from core.sampling_params import SamplingParams  # noqa: E402
-from scripts.bench_prefill import SHAPE, print_profile, time_cuda, write_config  # noqa: E402
+import pdserve.kernels.prefill_splits as prefill_splits
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.engine import Engine
+from pdserve.core.messages import pack_token_ids, unpack_token_ids
+from pdserve.core.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 

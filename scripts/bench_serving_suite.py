@@ -31,11 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from pdserve.core.step_timer import quantile_ms
+from pdserve.router.benchmark import cli as bench
 
-from core.step_timer import quantile_ms  # noqa: E402
-from router.benchmark import cli as bench  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PORT = 50071
 DEVICE = "cuda"
@@ -303,8 +302,8 @@ def gpu_name() -> str:
 def summarize(results: Path, dest: Path, gpu: str) -> dict[str, Any]:
     """From the runs' detailed JSONs in `results`: dest/summary.json (headline numbers), each run's report
     without its per-request records, and PNGs of the interference and burst runs."""
-    from router.benchmark.metrics import record_from_json
-    from router.benchmark.plots import write_plots
+    from pdserve.router.benchmark.metrics import record_from_json
+    from pdserve.router.benchmark.plots import write_plots
 
     dest.mkdir(parents=True, exist_ok=True)
     summary: dict[str, Any] = {"gpu": gpu, "commands": COMMANDS, "runs": {}}
@@ -357,7 +356,6 @@ def main() -> int:
         return 0
     model = Path(args.model) if args.model else Path(os.environ.get("TMPDIR", "/tmp")) / "pdserve-llama-1b"
     if not args.model:
-        sys.path.insert(0, str(ROOT / "scripts"))
         from make_bench_model import write_bench_model
 
         write_bench_model("llama-1b", model)

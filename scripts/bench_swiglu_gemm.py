@@ -17,12 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tune_decode_attention import median_us
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tune_decode_attention import median_us  # noqa: E402
-
-from kernels.fused_ops import silu_and_mul_blocks_triton, silu_and_mul_triton  # noqa: E402
-from kernels.swiglu_gemm import SWIGLU_BLOCK, interleave_gate_up, swiglu_gemm  # noqa: E402
+from pdserve.kernels.fused_ops import silu_and_mul_blocks_triton, silu_and_mul_triton
+from pdserve.kernels.swiglu_gemm import SWIGLU_BLOCK, interleave_gate_up, swiglu_gemm
 
 HIDDEN, INTER = 2048, 8192
 

@@ -16,18 +16,15 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, PreTrainedModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from router.benchmark import datasets as ds  # noqa: E402
-from router.benchmark.cli import add_dataset_args, build_specs, print_report, run_config_json, write_json  # noqa: E402
-from router.benchmark.metrics import RequestRecord, build_report, parse_goodput, parse_percentiles  # noqa: E402
-from router.model_info import ModelSpec  # noqa: E402
+from pdserve.router.benchmark import datasets as ds
+from pdserve.router.benchmark.cli import add_dataset_args, build_specs, print_report, run_config_json, write_json
+from pdserve.router.benchmark.metrics import RequestRecord, build_report, parse_goodput, parse_percentiles
+from pdserve.router.model_info import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -144,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.result_json:
         write_json(report, args.result_json)
     if args.plot:
-        from router.benchmark.plots import write_plots
+        from pdserve.router.benchmark.plots import write_plots
 
         write_plots(records, args.plot)
     return 0

@@ -7,9 +7,9 @@
 # Prints one line when the cluster serves; Ctrl-C / SIGTERM stops every process.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-if [ "${1:-}" = status ]; then  # NOTE: before setup: a cluster that runs has its .venv; router.status is stdlib only
+if [ "${1:-}" = status ]; then  # NOTE: before setup: a cluster that runs has its .venv
   shift
-  exec env PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$root/.venv/bin/python" -m router.status "$@"
+  exec "$root/.venv/bin/pdserve-status" "$@"
 fi
 bash "$root/scripts/setup_env.sh" >&2
 py="$root/.venv/bin/python"
@@ -24,7 +24,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 if [ -z "$model" ]; then
-  model=$("$py" -m core.model_store | tail -n 1)
+  model=$("$root/.venv/bin/pdserve-prepare-model" | tail -n 1)
 fi
 if [ -z "$device" ]; then
   device=$("$py" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')

@@ -15,9 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from core.model_store import GPT2_VOCAB_SIZE, write_gpt2_tokenizer  # noqa: E402
+from pdserve.core.model_store import GPT2_VOCAB_SIZE, write_gpt2_tokenizer
 
 EOS_ID = GPT2_VOCAB_SIZE - 1  # <|endoftext|>, valid in every shape below
 LLAMA: dict[str, Any] = dict(

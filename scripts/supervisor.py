@@ -27,10 +27,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from core.busy_poll import busy_poll_seconds  # noqa: E402 - run as a script: the repo root first
-from core.ipc import TOPOLOGY_FILE, Topology  # noqa: E402
+from pdserve.core.busy_poll import busy_poll_seconds
+from pdserve.core.ipc import TOPOLOGY_FILE, Topology
 
 READY_MARK = "pdserve router ready on"
 MAX_BACKOFF_S = 10.0
@@ -97,7 +95,7 @@ def build_children(args: argparse.Namespace, run_dir: Path, extra: list[str]) ->
     children = [
         Child(
             "router",
-            [py, "-m", "router", *common, "--port", str(args.port), "--bind", args.bind]
+            [py, "-m", "pdserve.router", *common, "--port", str(args.port), "--bind", args.bind]
             + ["--prefill", str(args.prefill), "--decode", str(args.decode), "--routing", args.routing]
             + ["--block-size", str(args.block_size), "--grace", str(args.grace)]
             + ["--max-migrations", str(args.max_migrations), "--max-queued", str(args.max_queued)]
@@ -109,7 +107,7 @@ def build_children(args: argparse.Namespace, run_dir: Path, extra: list[str]) ->
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             offset = 1 + i + (args.prefill if role == "decode" else 0)
-            argv = [py, "-m", f"{role}_worker", *worker, "--worker-id", str(i), *_metrics_flag(args, offset)]
+            argv = [py, "-m", f"pdserve.{role}_worker", *worker, "--worker-id", str(i), *_metrics_flag(args, offset)]
             children.append(Child(f"{role}-{i}", argv, logs / f"{role}-{i}.log"))
     return children
 

@@ -19,9 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.decode_attention import (  # noqa: E402
+from pdserve.kernels.decode_attention import (
     DecodeTileConfig,
     DecodeWorkspace,
     choose_decode_config,
@@ -29,7 +27,7 @@ from kernels.decode_attention import (  # noqa: E402
     device_num_sms,
     paged_decode_attention,
 )
-from kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from pdserve.kernels.prefill_attention import paged_prefill_attention
 
 BLOCK_SIZE = 16
 # name: (batch, heads, kv_heads, head_dim, context)

@@ -19,9 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.prefill_attention import (  # noqa: E402
+from pdserve.kernels.prefill_attention import (
     PrefillTileConfig,
     choose_tile_config,
     launch_prefill_kernel,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from core.model_store import ModelAssetMissingError, prepare_default_model
+from pdserve.core.model_store import ModelAssetMissingError, prepare_default_model
 from tests.models import make_tiny_gpt2, make_tiny_llama
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from core.model_store import GPT2_VOCAB_SIZE, write_gpt2_tokenizer
+from pdserve.core.model_store import GPT2_VOCAB_SIZE, write_gpt2_tokenizer
 
 TINY_LLAMA_VOCAB_SIZE = 1024
 # NOTE: the tiny llama tokenizer is GPT-2's BPE cut to 1024 ids, with <|endoftext|> as the last id.

@@ -6,12 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
-from core.engine import Engine
-from core.model_runner import ModelRunner
-from core.request import Request
-from core.sampler import SamplingState
-from core.sampling_params import SamplingParams
-from core.scheduler import ScheduledChunk, StepPlan
+from pdserve.core.engine import Engine
+from pdserve.core.model_runner import ModelRunner
+from pdserve.core.request import Request
+from pdserve.core.sampler import SamplingState
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.scheduler import ScheduledChunk, StepPlan
 
 
 def prompt_plan(engine: Engine, prompts: Sequence[Sequence[int]], num_tokens: Sequence[int]) -> StepPlan:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from core.config import ModelConfig
-from core.models import gpt2, llama
-from core.models.loading import fill_dummy, iter_safetensors
-from kernels.attention import AttentionBackend
+from pdserve.core.config import ModelConfig
+from pdserve.core.models import gpt2, llama
+from pdserve.core.models.loading import fill_dummy, iter_safetensors
+from pdserve.kernels.attention import AttentionBackend
 
 _BUILDERS = {"llama": llama.build, "gpt2": gpt2.build}
 

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from kernels.attention import AttentionMetadata
+from pdserve.kernels.attention import AttentionMetadata
 
 
 class CausalLM(Protocol):

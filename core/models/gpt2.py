@@ -11,12 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.config import ModelConfig
-from core.models.activations import activation
-from core.models.layers import VocabEmbedding
-from core.models.loading import copy_weights
-from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows
-from kernels.layer_norm import layer_norm
+from pdserve.core.config import ModelConfig
+from pdserve.core.models.activations import activation
+from pdserve.core.models.layers import VocabEmbedding
+from pdserve.core.models.loading import copy_weights
+from pdserve.kernels.attention import AttentionBackend, AttentionMetadata, OutputRows
+from pdserve.kernels.layer_norm import layer_norm
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 

@@ -12,14 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.config import ModelConfig
-from core.models.activations import activation
-from core.models.layers import MergedLinear, VocabEmbedding
-from core.models.loading import copy_weights
-from core.models.rope import RotaryEmbedding
-from kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, Rope
-from kernels.fused_ops import rms_norm, silu_and_mul, silu_and_mul_blocks
-from kernels.swiglu_gemm import (
+from pdserve.core.config import ModelConfig
+from pdserve.core.models.activations import activation
+from pdserve.core.models.layers import MergedLinear, VocabEmbedding
+from pdserve.core.models.loading import copy_weights
+from pdserve.core.models.rope import RotaryEmbedding
+from pdserve.kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, Rope
+from pdserve.kernels.fused_ops import rms_norm, silu_and_mul, silu_and_mul_blocks
+from pdserve.kernels.swiglu_gemm import (
     FUSED_MIN_TOKENS,
     SWIGLU_BLOCK,
     fused_swiglu_supported,

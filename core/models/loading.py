@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from core.models.layers import MergedLinear, VocabEmbedding
-from kernels.swiglu_gemm import deinterleave_gate_up
+from pdserve.core.models.layers import MergedLinear, VocabEmbedding
+from pdserve.kernels.swiglu_gemm import deinterleave_gate_up
 
 
 def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

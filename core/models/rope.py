@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.rope_tiles import RopeTables
+from pdserve.kernels.rope_tiles import RopeTables
 
 
 def _rope_type_and_theta(hf: Any) -> tuple[str, float]:

@@ -19,11 +19,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from router.benchmark import datasets as ds
-from router.benchmark.metrics import build_report, format_table, parse_goodput, parse_percentiles
-from router.benchmark.runner import RunConfig, fetch_model_info, run_in_processes
-from router.tokenizer import RouterTokenizer
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.router.benchmark import datasets as ds
+from pdserve.router.benchmark.metrics import build_report, format_table, parse_goodput, parse_percentiles
+from pdserve.router.benchmark.runner import RunConfig, fetch_model_info, run_in_processes
+from pdserve.router.tokenizer import RouterTokenizer
 
 DATASETS = ("random", "shared-prefix", "long-prompt", "duplicate")
 DEFAULT_OUTPUT_LEN = {"random": "128", "shared-prefix": "30", "duplicate": "128"}
@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.result_json:
         write_json(report, args.result_json)
     if args.plot:
-        from router.benchmark.plots import write_plots  # NOTE: matplotlib is optional (the `bench` extra).
+        from pdserve.router.benchmark.plots import write_plots  # NOTE: matplotlib is optional (the `bench` extra).
 
         write_plots(records, args.plot)
     return 0 if report["metrics"]["failed"] == 0 else 1

@@ -14,7 +14,7 @@ from typing import Literal
 
 import numpy as np
 
-from router.tokenizer import RouterTokenizer
+from pdserve.router.tokenizer import RouterTokenizer
 
 SendAs = Literal["ids", "text"]
 _WORD_MARKERS = ("Ġ", "▁")  # NOTE: byte-level BPE (GPT-2) and sentencepiece mark a leading space this way.

@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from router.benchmark.metrics import RequestRecord  # noqa: E402
+from pdserve.router.benchmark.metrics import RequestRecord  # noqa: E402
 
 PLOT_FILES = ("ttft_cdf.png", "itl_cdf.png", "latency_over_time.png")
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import grpc
 from tqdm import tqdm
 
-from core.gc_pauses import freeze_startup_heap
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from router.benchmark.datasets import ClosedLoop, RequestSpec, Workload
-from router.benchmark.metrics import RequestRecord
+from pdserve.core.gc_pauses import freeze_startup_heap
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.benchmark.datasets import ClosedLoop, RequestSpec, Workload
+from pdserve.router.benchmark.metrics import RequestRecord
 
 FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in pb.FinishReason.items()}
 TIMING_FIELDS = ("queue_ms", "prefill_ms", "handoff_ms", "first_token_ms")

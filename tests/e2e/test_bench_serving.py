@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from router.benchmark import datasets as ds
-from router.benchmark.cli import main
-from router.benchmark.plots import PLOT_FILES
+from pdserve.router.benchmark import datasets as ds
+from pdserve.router.benchmark.cli import main
+from pdserve.router.benchmark.plots import PLOT_FILES
 from tests.e2e.cluster import ROOT, Cluster
 from tests.models import TINY_LLAMA_EOS_ID, TINY_LLAMA_VOCAB_SIZE
 

@@ -13,11 +13,11 @@ from typing import Any
 import grpc
 import pytest
 
-from core.config import CacheConfig, EngineConfig, ModelConfig
-from core.engine import Engine
-from core.sampling_params import SamplingParams
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.core.engine import Engine
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.e2e.cluster import Cluster, running
 from tests.hf_reference import hf_greedy, random_prompts
 
@@ -102,7 +102,7 @@ def test_repeated_prompt_reports_cached_tokens(cluster: Cluster) -> None:
 
 
 def test_same_token_ids_in_flight_are_prefilled_once(cluster: Cluster, tiny_llama_dir: Path) -> None:
-    from router.tokenizer import RouterTokenizer
+    from pdserve.router.tokenizer import RouterTokenizer
 
     text = "pdserve dedups prompts in flight: these words are prefilled exactly once, whatever the input form"
     ids = RouterTokenizer.from_dir(tiny_llama_dir).encode(text)

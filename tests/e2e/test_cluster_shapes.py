@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from tests.e2e.cluster import Cluster
 from tests.e2e.test_cluster import NEW_TOKENS, WORKER_FLAGS, engine_greedy, generate_all, stream, tokens_of
 from tests.e2e.test_cluster import wait_blocks_returned as wait_all_blocks

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from tests.e2e.cluster import Cluster, running
 from tests.e2e.test_cluster import cancel_after, generate_all, stream, tokens_of
 from tests.hf_reference import hf_greedy, random_prompts

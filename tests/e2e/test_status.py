@@ -25,7 +25,7 @@ def cluster(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def status_command(cluster: Cluster, *flags: str) -> str:
-    argv = [sys.executable, "-m", "router.status", "--run-dir", str(cluster.run_dir), *flags]
+    argv = [sys.executable, "-m", "pdserve.router.status", "--run-dir", str(cluster.run_dir), *flags]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     return out.stdout

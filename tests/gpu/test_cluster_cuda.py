@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import ModelConfig
-from core.models import load_model
-from core.models.loading import unmerged_state_dict
-from kernels.attention import TorchAttention
+from pdserve.core.config import ModelConfig
+from pdserve.core.models import load_model
+from pdserve.core.models.loading import unmerged_state_dict
+from pdserve.kernels.attention import TorchAttention
 from tests.e2e.cluster import Cluster
 from tests.e2e.test_cluster import generate_all, tokens_of, wait_blocks_returned
 from tests.hf_reference import random_prompts

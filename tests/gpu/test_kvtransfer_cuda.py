@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-from core.messages import HandshakeEvent, decode, encode
-from kvtransfer.base import make_sink, make_source
-from kvtransfer.cuda_ipc import CudaIpcSink
-from kvtransfer.layout import KVLayout, LayoutMismatchError
-from kvtransfer.pool import KVPool, allocate_kv_pool
+from pdserve.core.messages import HandshakeEvent, decode, encode
+from pdserve.kvtransfer.base import make_sink, make_source
+from pdserve.kvtransfer.cuda_ipc import CudaIpcSink
+from pdserve.kvtransfer.layout import KVLayout, LayoutMismatchError
+from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool
 
 pytestmark = pytest.mark.gpu
 LAYOUT = KVLayout(

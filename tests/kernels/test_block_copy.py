@@ -21,10 +21,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import block_copy
-from kernels.block_copy import copy_blocks, copy_blocks_ref, tile_words, word_dtype
-from kvtransfer.layout import KVLayout
-from kvtransfer.pool import allocate_kv_pool
+from pdserve.kernels import block_copy
+from pdserve.kernels.block_copy import copy_blocks, copy_blocks_ref, tile_words, word_dtype
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.pool import allocate_kv_pool
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -266,7 +266,7 @@ def test_cuda_ipc_sink_reads_a_peer_gpu_through_the_kernel(dtype: str, monkeypat
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_kernel_reads_a_pool_on_a_peer_gpu() -> None:
-    from kvtransfer.cuda_ipc import enable_peer_access
+    from pdserve.kvtransfer.cuda_ipc import enable_peer_access
 
     assert enable_peer_access(torch.device("cuda:0"), torch.device("cuda:1")), "the two GPUs have no peer access"
     gen = torch.Generator().manual_seed(5)
@@ -280,7 +280,7 @@ def test_kernel_reads_a_pool_on_a_peer_gpu() -> None:
 
 
 def check_sink_kernel_copy(dtype: str, remote_device: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtransfer.cuda_ipc import CudaIpcSink
+    from pdserve.kvtransfer.cuda_ipc import CudaIpcSink
 
     launches = []
     launch = block_copy.BlockCopy.__call__

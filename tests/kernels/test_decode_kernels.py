@@ -58,7 +58,7 @@ def check_decode(
     device: str,
     seed: int,
 ) -> float:
-    from kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+    from pdserve.kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in lens) + 8
@@ -78,8 +78,8 @@ def check_decode(
 def check_append(mode: str, dtype: torch.dtype, device: str, seed: int, rope: bool = False) -> None:
     """append_kv == append_kv_ref: the cache, and with rope the rotated K returned (bit for bit: each rope
     product and the sum round as torch's do)."""
-    from kernels.kv_append import append_kv, append_kv_ref
-    from kernels.rope_tiles import RopeTables
+    from pdserve.kernels.kv_append import append_kv, append_kv_ref
+    from pdserve.kernels.rope_tiles import RopeTables
 
     gen = torch.Generator().manual_seed(seed)
     block_size, kv_heads, head_dim, num_blocks = 16, 3, 64, 40  # 3 heads: a row that is not a power of two

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from core.decode_batch import DecodeBatch
-from core.engine import Engine
-from core.request import Request
-from core.sampler import SamplingState
-from core.sampling_params import SamplingParams
-from core.scheduler import ScheduledChunk, StepPlan
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.decode_batch import DecodeBatch
+from pdserve.core.engine import Engine
+from pdserve.core.request import Request
+from pdserve.core.sampler import SamplingState
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.scheduler import ScheduledChunk, StepPlan
 from tests.hf_reference import random_prompts
 from tests.passes import every_row_logits, prompt_plan
 
@@ -228,9 +228,9 @@ def test_short_passes_after_long_cached_prefixes_split_and_match_hf_on_gpu(
     """Chat turns after a long cached history: two prompts of 2400 cached tokens plus 100 and 7 new ones run as
     one split prefill pass (kernels/prefill_splits.py; graphed: the split variant of the 128-token graph) and
     then decode; greedy tokens equal transformers' on the same GPU in fp32."""
-    import core.prefill_graphs
-    import kernels.triton_backend
-    from kernels.prefill_splits import NUM_SPLITS
+    from pdserve.core import prefill_graphs
+    from pdserve.kernels import triton_backend
+    from pdserve.kernels.prefill_splits import NUM_SPLITS
     from tests.models import make_tiny_llama
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -243,7 +243,7 @@ def test_short_passes_after_long_cached_prefixes_split_and_match_hf_on_gpu(
 
         return choose_and_record
 
-    for module in (core.prefill_graphs, kernels.triton_backend):
+    for module in (prefill_graphs, triton_backend):
         monkeypatch.setattr(module, "choose_num_splits", recorded(module.choose_num_splits))
     model_dir = make_tiny_llama(tmp_path, seed=3, max_position_embeddings=4096)
     cfg = EngineConfig(

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import CacheConfig, EngineConfig, ModelConfig
-from core.engine import Engine
-from core.sampling_params import SamplingParams
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.core.engine import Engine
+from pdserve.core.sampling_params import SamplingParams
 from tests.hf_reference import random_prompts
 
 pytestmark = pytest.mark.gpu

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import fused_ops
+from pdserve.kernels import fused_ops
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

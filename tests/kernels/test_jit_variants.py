@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.jit_watch import JitWatch
+from pdserve.kernels.jit_watch import JitWatch
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,9 +64,9 @@ def test_served_passes_compile_no_kernel_after_the_warm_up(tiny_llama_dir: Path)
 
 def served_compiles(model_dir: str) -> None:
     """Prints (JSON, last line) the signatures of the kernel variants compiled after the warm-up."""
-    from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from core.engine import Engine
-    from core.sampling_params import SamplingParams
+    from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from pdserve.core.engine import Engine
+    from pdserve.core.sampling_params import SamplingParams
     from tests.hf_reference import random_prompts
 
     watch, compiled = JitWatch(), []

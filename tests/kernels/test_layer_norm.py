@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import layer_norm as ln
+from pdserve.kernels import layer_norm as ln
 from tests.kernels.test_fused_ops import DTYPES, ROOT, assert_matches, randn, strided
 
 CASES = [(1, 64), (7, 768), (130, 1024), (5, 1000), (3, 4096)]  # num_tokens, hidden

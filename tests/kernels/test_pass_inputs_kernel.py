@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.pass_inputs import fill_positions_slots, token_positions_slots
+from pdserve.kernels.pass_inputs import fill_positions_slots, token_positions_slots
 
 pytestmark = pytest.mark.gpu
 

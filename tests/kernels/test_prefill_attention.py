@@ -22,15 +22,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.attention import AttentionMetadata, TorchAttention
-from kernels.prefill_attention import (
+from pdserve.kernels.attention import AttentionMetadata, TorchAttention
+from pdserve.kernels.prefill_attention import (
     choose_tile_config,
     launch_prefill_kernel,
     paged_prefill_attention,
     paged_prefill_attention_ref,
     tma_supported,
 )
-from kernels.prefill_splits import (
+from pdserve.kernels.prefill_splits import (
     NUM_SPLITS,
     SPLIT_MAX_TOKENS,
     SPLIT_MIN_PREFIX,

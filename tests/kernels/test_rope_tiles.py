@@ -16,8 +16,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from kernels.attention import AttentionMetadata, OutputRows, Rope, TorchAttention
-from kernels.rope_tiles import RopeTables, rope_ref_one
+from pdserve.kernels.attention import AttentionMetadata, OutputRows, Rope, TorchAttention
+from pdserve.kernels.rope_tiles import RopeTables, rope_ref_one
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -119,7 +119,7 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_backends(dtype: torch.dtype, dims: tuple[int, int, int, int], device: str, seed: int) -> None:
     """Triton backend == torch backend with rope: prefill (mixed), decode and last-layer rows passes."""
-    from kernels.triton_backend import TritonAttention
+    from pdserve.kernels.triton_backend import TritonAttention
 
     tables = rope_tables(dims[2], 8192, device)
     prefill = make_pass([(0, 37), (40, 1), (16, 20), (5, 3)], dims, dtype, device, seed)
@@ -150,7 +150,7 @@ def test_triton_backend_rope_equals_torch_backend_on_gpu(
 @pytest.mark.gpu
 def test_rope_tables_in_the_model_dtype_give_the_same_result_on_gpu() -> None:
     """A model cast whole to bf16 holds its tables in bf16: the kernels cast them to q's dtype first anyway."""
-    from kernels.triton_backend import TritonAttention
+    from pdserve.kernels.triton_backend import TritonAttention
 
     p = make_pass([(0, 50), (9, 4)], (8, 2, 64, 16), torch.bfloat16, "cuda", seed=3)
     tables = rope_tables(64, 4096, "cuda")

@@ -19,10 +19,10 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import kernels.decode_attention as decode_attention  # noqa: E402
-import kernels.kv_append as kv_append  # noqa: E402
-import kernels.prefill_attention as prefill_attention  # noqa: E402
-import kernels.prefill_splits as prefill_splits  # noqa: E402
+import pdserve.kernels.decode_attention as decode_attention  # noqa: E402
+import pdserve.kernels.kv_append as kv_append  # noqa: E402
+import pdserve.kernels.prefill_attention as prefill_attention  # noqa: E402
+import pdserve.kernels.prefill_splits as prefill_splits  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 INT_POINTERS = ("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr")

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from core.engine import Engine
-from core.models import llama
-from core.sampling_params import SamplingParams
-from kernels.swiglu_gemm import FUSED_MIN_TOKENS, interleave_gate_up, swiglu_gemm, swiglu_gemm_ref
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.engine import Engine
+from pdserve.core.models import llama
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.kernels.swiglu_gemm import FUSED_MIN_TOKENS, interleave_gate_up, swiglu_gemm, swiglu_gemm_ref
 from tests.hf_reference import random_prompts
 from tests.models import make_tiny_llama
 

@@ -20,8 +20,8 @@ from google.protobuf import text_format
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.e2e.cluster import Cluster, running
 from tests.e2e.test_cluster import greedy_request, wait_blocks_returned
 from tests.models import TINY_LLAMA_VOCAB_SIZE

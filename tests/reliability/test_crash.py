@@ -22,8 +22,8 @@ from typing import NamedTuple
 import grpc
 import pytest
 
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.e2e.cluster import Cluster, running
 from tests.e2e.test_cluster import greedy_request, wait_blocks_returned
 from tests.hf_reference import random_prompts

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 import zmq
 
-from core.messages import (
+from pdserve.core.messages import (
     MAX_MESSAGE_BYTES,
     PROTOCOL_VERSION,
     GenerateCmd,

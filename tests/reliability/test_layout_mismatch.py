@@ -23,7 +23,7 @@ import pytest
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from core.messages import HandoffCmd, Sampling, Timings, encode, pack_token_ids
+from pdserve.core.messages import HandoffCmd, Sampling, Timings, encode, pack_token_ids
 from tests.e2e.cluster import ROOT, free_port
 from tests.e2e.test_cluster import greedy_request, stream, tokens_of
 from tests.reliability.report import record
@@ -53,7 +53,9 @@ class HandCluster:
         name = module if module == "router" else f"{module.split('_')[0]}-{args[-1]}"
         log = open(self.run_dir / "logs" / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", f"pdserve.{module}", *args], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
 
     def log(self, name: str) -> str:
         return (self.run_dir / "logs" / f"{name}.log").read_text(errors="replace")

@@ -49,11 +49,21 @@ def check_one_clear_line(case: str, proc: subprocess.CompletedProcess[str], need
 
 
 def worker_argv(role: str, model: str | Path, run_dir: Path, *extra: str) -> list[str]:
-    return ["-m", f"{role}_worker", "--model", str(model), "--run-dir", str(run_dir), "--worker-id", "0", *extra]
+    return [
+        "-m",
+        f"pdserve.{role}_worker",
+        "--model",
+        str(model),
+        "--run-dir",
+        str(run_dir),
+        "--worker-id",
+        "0",
+        *extra,
+    ]
 
 
 def router_argv(model: str | Path, run_dir: Path, *extra: str) -> list[str]:
-    return ["-m", "router", "--model", str(model), "--run-dir", str(run_dir), *extra]
+    return ["-m", "pdserve.router", "--model", str(model), "--run-dir", str(run_dir), *extra]
 
 
 def supervisor_argv(model: str | Path, run_dir: Path, *extra: str) -> list[str]:

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router.benchmark import datasets as ds
-from router.benchmark.metrics import (
+from pdserve.router.benchmark import datasets as ds
+from pdserve.router.benchmark.metrics import (
     RequestRecord,
     build_report,
     compute_metrics,
@@ -20,7 +20,7 @@ from router.benchmark.metrics import (
     record_from_json,
     record_json,
 )
-from router.tokenizer import RouterTokenizer
+from pdserve.router.tokenizer import RouterTokenizer
 from tests.models import TINY_LLAMA_EOS_ID, TINY_LLAMA_VOCAB_SIZE
 
 VOCAB = ds.VocabInfo(TINY_LLAMA_VOCAB_SIZE, (TINY_LLAMA_EOS_ID, 7))
@@ -202,7 +202,7 @@ def test_saved_records_round_trip_through_json() -> None:
 
 
 def test_a_workload_splits_over_client_processes_without_loss_or_shared_prompts() -> None:
-    from router.benchmark.runner import shard
+    from pdserve.router.benchmark.runner import shard
 
     workload = ds.long_prompt_workload(VOCAB, num_short=5, short_io=(8, 16), long_io=(64, 4), long_rate=3.0,
                                        duration_s=10.0, seed=3)  # fmt: skip

@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from core.block_pool import (
+from pdserve.core.block_pool import (
     BLOCK_HASH_SEED,
     NULL_BLOCK_ID,
     ROOT_PARENT_HASH,
@@ -22,7 +22,7 @@ from core.block_pool import (
     hash_block_tokens,
     hash_full_blocks,
 )
-from core.messages import KV_REMOVED, KV_STORED
+from pdserve.core.messages import KV_REMOVED, KV_STORED
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

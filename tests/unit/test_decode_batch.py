@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from core.decode_batch import DecodeBatch
-from core.request import Request
-from core.sampler import SamplingState
-from core.sampling_params import SamplingParams
+from pdserve.core.decode_batch import DecodeBatch
+from pdserve.core.request import Request
+from pdserve.core.sampler import SamplingState
+from pdserve.core.sampling_params import SamplingParams
 
 
 def make_request(rid: str, tokens: list[int], blocks: list[int]) -> Request:

@@ -18,11 +18,11 @@ import pytest
 import torch
 import zmq
 
-from core import ipc
-from core.block_pool import hash_full_blocks
-from core.config import CacheConfig, EngineConfig, ModelConfig
-from core.engine import Adoption, Engine
-from core.messages import (
+from pdserve.core import ipc
+from pdserve.core.block_pool import hash_full_blocks
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.core.engine import Adoption, Engine
+from pdserve.core.messages import (
     GenerateCmd,
     HandoffCmd,
     ReleaseCmd,
@@ -32,13 +32,13 @@ from core.messages import (
     TokenEvent,
     pack_token_ids,
 )
-from core.request import Request
-from core.sampler import SamplingState
-from core.sampling_params import SamplingParams
-from decode_worker.worker import DecodeWorker
-from kvtransfer.base import KVTransferError, PullHandle, make_source
-from kvtransfer.pool import KVPool, allocate_kv_pool
-from kvtransfer.shm import ShmSink
+from pdserve.core.request import Request
+from pdserve.core.sampler import SamplingState
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.kvtransfer.base import KVTransferError, PullHandle, make_source
+from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool
+from pdserve.kvtransfer.shm import ShmSink
 from tests.hf_reference import hf_greedy, random_prompts
 from tests.unit.test_decode_worker_release import received
 

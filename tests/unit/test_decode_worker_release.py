@@ -19,11 +19,11 @@ import pytest
 import torch
 import zmq
 
-from core import ipc
-from core.block_pool import hash_full_blocks
-from core.busy_poll import busy_poll_seconds
-from core.config import CacheConfig, EngineConfig, ModelConfig
-from core.messages import (
+from pdserve.core import ipc
+from pdserve.core.block_pool import hash_full_blocks
+from pdserve.core.busy_poll import busy_poll_seconds
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.core.messages import (
     AbortCmd,
     HandoffCmd,
     Message,
@@ -34,11 +34,11 @@ from core.messages import (
     pack_block_hashes,
     pack_token_ids,
 )
-from core.worker_base import PENDING_POLL_MS
-from decode_worker.worker import DecodeWorker
-from kvtransfer.base import KVTransferError, PullHandle, make_source
-from kvtransfer.pool import allocate_kv_pool
-from kvtransfer.shm import ShmSink
+from pdserve.core.worker_base import PENDING_POLL_MS
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.kvtransfer.base import KVTransferError, PullHandle, make_source
+from pdserve.kvtransfer.pool import allocate_kv_pool
+from pdserve.kvtransfer.shm import ShmSink
 
 POOL_ID = "pool-a"
 PROMPT = [5, 9, 2, 7, 1, 8, 3, 4, 6, 11, 12, 13, 14, 15, 16, 17, 18, 19]  # 18 tokens: KV of 17 in 2 blocks
@@ -181,7 +181,7 @@ def test_busy_polling_keeps_the_loop_awake_for_its_window_after_work(
 ) -> None:
     worker = harness.worker
     now = [100.0]
-    monkeypatch.setattr("core.worker_base.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("pdserve.core.worker_base.time.monotonic", lambda: now[0])
     worker.busy_poll_s = 1.0
     worker._last_work = now[0]  # what run() records after a poll that found messages, or a step
     assert worker._poll_timeout_ms() == 0

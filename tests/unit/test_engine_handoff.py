@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 
-from core import kv_cache_manager
-from core.block_pool import hash_full_blocks
-from core.config import CacheConfig, EngineConfig, ModelConfig
-from core.engine import DEFER_ID_LIST, Engine
-from core.errors import InvalidRequestError
-from core.sampler import SamplingState
-from core.sampling_params import SamplingParams
+from pdserve.core import kv_cache_manager
+from pdserve.core.block_pool import hash_full_blocks
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.core.engine import DEFER_ID_LIST, Engine
+from pdserve.core.errors import InvalidRequestError
+from pdserve.core.sampler import SamplingState
+from pdserve.core.sampling_params import SamplingParams
 from tests.hf_reference import random_prompts
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from core.engine import Engine
-from core.sampling_params import SamplingParams
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.engine import Engine
+from pdserve.core.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, random_prompts
 
 NEW_TOKENS = 48

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.config import CacheConfig, EngineConfig, ModelConfig
-from core.engine import DEFER_ID_LIST, PLACEHOLDER, Engine, RequestOutput
-from core.sampling_params import SamplingParams
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.core.engine import DEFER_ID_LIST, PLACEHOLDER, Engine, RequestOutput
+from pdserve.core.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

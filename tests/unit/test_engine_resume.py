@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from core.engine import Engine
-from core.errors import InvalidRequestError
-from core.sampling_params import SamplingParams
+from pdserve.core.engine import Engine
+from pdserve.core.errors import InvalidRequestError
+from pdserve.core.sampling_params import SamplingParams
 from tests.hf_reference import random_prompts
 from tests.unit.test_engine_matches_hf import make_engine
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from core.config import CacheConfig, EngineConfig, ModelConfig
-from core.engine import Engine
-from core.errors import InvalidRequestError
-from core.sampling_params import SamplingParams
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.core.engine import Engine
+from pdserve.core.errors import InvalidRequestError
+from pdserve.core.sampling_params import SamplingParams
 
 OK = SamplingParams(temperature=0.0, max_tokens=4)
 

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from core.gc_pauses import GENERATIONS, GcPauses, freeze_startup_heap
-from core.metrics import gc_metrics
+from pdserve.core.gc_pauses import GENERATIONS, GcPauses, freeze_startup_heap
+from pdserve.core.metrics import gc_metrics
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, GPT2Config, LlamaConfig
 
-from core.config import ModelConfig
-from core.hf_config import DEFAULTS, read_plain
+from pdserve.core.config import ModelConfig
+from pdserve.core.hf_config import DEFAULTS, read_plain
 
 USED = (
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

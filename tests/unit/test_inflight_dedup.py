@@ -8,13 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from core.engine import Engine
-from core.messages import TokenIds
-from core.request import Request, RequestStatus
-from core.sampler import SamplingState
-from core.sampling_params import SamplingParams
-from core.scheduler import ids_key
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.engine import Engine
+from pdserve.core.messages import TokenIds
+from pdserve.core.request import Request, RequestStatus
+from pdserve.core.sampler import SamplingState
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.scheduler import ids_key
 from tests.hf_reference import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from kernels import jit_watch
-from kernels.jit_watch import JitCompile, JitWatch
+from pdserve.kernels import jit_watch
+from pdserve.kernels.jit_watch import JitCompile, JitWatch
 
 pytestmark = pytest.mark.skipif(jit_watch.knobs is None, reason="needs triton with knobs")
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(jit_watch.knobs is None, reason="needs triton wi
 def compile_once(name: str) -> None:
     """What Triton's JIT does on an in-memory cache miss: the cache hook, the compile, the post-compile hook."""
     runtime = jit_watch.knobs.runtime  # type: ignore[union-attr]
-    fn = SimpleNamespace(module="kernels.fake", name=name)
+    fn = SimpleNamespace(module="pdserve.kernels.fake", name=name)
     kwargs: dict[str, Any] = {"key": name, "repr": f"{name}[num_warps=4](n: i32)", "fn": fn}
     skip = runtime.jit_cache_hook(**kwargs, compile={}, is_manual_warmup=False, already_compiled=False)
     assert not skip
@@ -32,12 +32,12 @@ def test_compiles_after_mark_served_are_counted_apart_and_logged(caplog: pytest.
     try:
         compile_once("_warm")
         watch.mark_served()
-        with caplog.at_level(logging.WARNING, logger="kernels.jit_watch"):
+        with caplog.at_level(logging.WARNING, logger="pdserve.kernels.jit_watch"):
             compile_once("_late")
     finally:
         watch.uninstall()
     assert (watch.num_compiles, watch.num_compiles_serving) == (2, 1)
-    assert [c.kernel for c in seen] == ["kernels.fake._warm", "kernels.fake._late"]
+    assert [c.kernel for c in seen] == ["pdserve.kernels.fake._warm", "pdserve.kernels.fake._late"]
     assert all(c.seconds >= 0 for c in seen)
     assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == ["_late[num_warps=4](n: i32)"]
 

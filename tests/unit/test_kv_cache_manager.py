@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from core.block_pool import BlockPool
-from core.kv_cache_manager import KVCacheManager
-from core.request import Request
-from core.sampler import SamplingState
-from core.sampling_params import SamplingParams
+from pdserve.core.block_pool import BlockPool
+from pdserve.core.kv_cache_manager import KVCacheManager
+from pdserve.core.request import Request
+from pdserve.core.sampler import SamplingState
+from pdserve.core.sampling_params import SamplingParams
 
 BLOCK = 4
 

@@ -17,11 +17,11 @@ import msgpack
 import pytest
 import zmq
 
-from core import ipc
-from core.block_pool import BlockPool
-from core.config import CacheConfig, EngineConfig, ModelConfig
-from core.kv_events import KvEventPublisher, KvOrigin
-from core.messages import (
+from pdserve.core import ipc
+from pdserve.core.block_pool import BlockPool
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.core.kv_events import KvEventPublisher, KvOrigin
+from pdserve.core.messages import (
     KV_REMOVED,
     KV_STORED,
     MAX_MESSAGE_BYTES,
@@ -34,11 +34,11 @@ from core.messages import (
     decode,
     encode,
 )
-from core.sampling_params import SamplingParams
-from decode_worker.worker import DecodeWorker
-from router.config import RouterConfig
-from router.prefix_index import WorkerKey, prompt_block_hashes
-from router.workers import WorkerHub
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.router.config import RouterConfig
+from pdserve.router.prefix_index import WorkerKey, prompt_block_hashes
+from pdserve.router.workers import WorkerHub
 
 MAX_HASH = (1 << 64) - 1
 WAIT_S = 5.0

@@ -12,10 +12,10 @@ import msgpack
 import pytest
 import torch
 
-from kvtransfer import dist as kvdist
-from kvtransfer.base import KVTransferError, make_sink, make_source, pair_transport
-from kvtransfer.layout import KVLayout, LayoutMismatchError
-from kvtransfer.pool import allocate_kv_pool
+from pdserve.kvtransfer import dist as kvdist
+from pdserve.kvtransfer.base import KVTransferError, make_sink, make_source, pair_transport
+from pdserve.kvtransfer.layout import KVLayout, LayoutMismatchError
+from pdserve.kvtransfer.pool import allocate_kv_pool
 
 LAYOUT = KVLayout(model="tiny", dtype="float32", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8, num_blocks=32)
 SINK = replace(LAYOUT, num_blocks=20)

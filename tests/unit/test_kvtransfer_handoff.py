@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from core.config import CacheConfig, EngineConfig, ModelConfig
-from core.engine import Engine
-from core.sampler import SamplingState
-from core.sampling_params import SamplingParams
-from kvtransfer.base import make_sink, make_source
-from kvtransfer.layout import KVLayout
-from kvtransfer.lease import LeaseTable
-from kvtransfer.pool import KVPool, allocate_kv_pool
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.core.engine import Engine
+from pdserve.core.sampler import SamplingState
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.kvtransfer.base import make_sink, make_source
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool
 from tests.hf_reference import random_prompts
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

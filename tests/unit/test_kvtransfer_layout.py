@@ -7,8 +7,8 @@ from dataclasses import replace
 import msgpack
 import pytest
 
-from core.config import CacheConfig, EngineConfig, ModelConfig
-from kvtransfer.layout import KVLayout, LayoutMismatchError, check_compatible
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.kvtransfer.layout import KVLayout, LayoutMismatchError, check_compatible
 
 LAYOUT = KVLayout(
     model="tiny", dtype="float32", block_size=16, num_layers=4, num_kv_heads=2, head_dim=16, num_blocks=64

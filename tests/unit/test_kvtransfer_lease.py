@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer.lease import LeaseTable
+from pdserve.kvtransfer.lease import LeaseTable
 
 TTL = 30.0
 

@@ -15,10 +15,10 @@ import msgpack
 import pytest
 import torch
 
-from core.messages import HandshakeEvent, decode, encode
-from kvtransfer.base import KVTransferError, PullHandle, make_sink, make_source
-from kvtransfer.layout import KVLayout, LayoutMismatchError
-from kvtransfer.pool import SHM_DIR, KVPool, allocate_kv_pool, attach_shm_pool, remove_stale_segments
+from pdserve.core.messages import HandshakeEvent, decode, encode
+from pdserve.kvtransfer.base import KVTransferError, PullHandle, make_sink, make_source
+from pdserve.kvtransfer.layout import KVLayout, LayoutMismatchError
+from pdserve.kvtransfer.pool import SHM_DIR, KVPool, allocate_kv_pool, attach_shm_pool, remove_stale_segments
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout(model="tiny", dtype="float32", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8, num_blocks=32)
@@ -32,9 +32,9 @@ SINK_SCRIPT = """
 import json, sys
 from dataclasses import replace
 import msgpack, torch
-from kvtransfer.base import make_sink
-from kvtransfer.layout import KVLayout
-from kvtransfer.pool import allocate_kv_pool
+from pdserve.kvtransfer.base import make_sink
+from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.pool import allocate_kv_pool
 
 out, src, dst, num_blocks = sys.argv[1], *map(json.loads, sys.argv[2:5])
 desc = msgpack.unpackb(sys.stdin.buffer.read(), raw=False)

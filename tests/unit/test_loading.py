@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from core.config import ModelConfig
-from core.models import load_model
-from core.models.loading import unmerged_state_dict
-from kernels.attention import TorchAttention
+from pdserve.core.config import ModelConfig
+from pdserve.core.models import load_model
+from pdserve.core.models.loading import unmerged_state_dict
+from pdserve.kernels.attention import TorchAttention
 
 
 def test_merged_projections_hold_the_checkpoint_parts_in_order(tiny_llama_dir: Path) -> None:
@@ -57,8 +57,8 @@ def test_a_part_of_the_wrong_shape_is_refused(tmp_path: Path, tiny_llama_dir: Pa
 def test_an_interleaved_gate_up_weight_exports_and_runs_as_the_stacked_one(tiny_llama_dir: Path) -> None:
     """kernels/swiglu_gemm.py's layout: [g_0, u_0, g_1, u_1, ...] blocks; checkpoint export undoes it, and the MLP
     over it (cuBLAS-style GEMM + SiLU-and-mul over the blocks) computes what it did over [gate; up]."""
-    from core.models.llama import LlamaMLP
-    from kernels.swiglu_gemm import deinterleave_gate_up, interleave_gate_up
+    from pdserve.core.models.llama import LlamaMLP
+    from pdserve.kernels.swiglu_gemm import deinterleave_gate_up, interleave_gate_up
 
     w = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)  # gate rows 0-3, up rows 4-7
     il = interleave_gate_up(w, block=2)

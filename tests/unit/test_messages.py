@@ -7,7 +7,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from core.messages import (
+from pdserve.core.messages import (
     PROTOCOL_VERSION,
     GenerateCmd,
     HandoffCmd,

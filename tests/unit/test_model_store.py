@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from core import model_store
-from core.model_store import (
+from pdserve.core import model_store
+from pdserve.core.model_store import (
     DEFAULT_MODEL_NAME,
     MARKER_NAME,
     ModelAssetMissingError,

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from core.config import CacheConfig, EngineConfig, ModelConfig
-from core.engine import Engine
-from core.sampling_params import SamplingParams
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.core.engine import Engine
+from pdserve.core.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, random_prompts
 from tests.models import make_tiny_llama
 
@@ -110,7 +110,7 @@ def test_other_llama_family_checkpoints_match_hf(tmp_path: Path, family: str) ->
 def test_dummy_draws_depend_only_on_key_and_index(monkeypatch: pytest.MonkeyPatch) -> None:
     """The hash fill gives the same values whatever the pass size (so whatever the device's launch grid),
     differs by key, and is uniform over [low, high)."""
-    from core.models import loading
+    from pdserve.core.models import loading
 
     whole = torch.empty(3001, 7)
     loading.hash_uniform_(whole, key=42, low=-1e-2, high=1e-2)
@@ -131,8 +131,8 @@ def test_dummy_draws_depend_only_on_key_and_index(monkeypatch: pytest.MonkeyPatc
 def test_dummy_weights_are_the_same_on_cuda_and_cpu(tiny_llama_dir: Path) -> None:
     """Seeded dummy weights are a function of (seed, name, index): a worker on a GPU (whatever its SM share
     under MPS) holds bit for bit what a CPU process draws."""
-    from core.models import load_model
-    from kernels.attention import TorchAttention
+    from pdserve.core.models import load_model
+    from pdserve.kernels.attention import TorchAttention
 
     cfg = ModelConfig.from_pretrained(tiny_llama_dir, load_format="dummy", seed=3)
     on_cpu = load_model(cfg, TorchAttention(), "cpu").state_dict()

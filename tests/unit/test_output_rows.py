@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from core.engine import Engine
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.engine import Engine
 from tests.hf_reference import random_prompts
 from tests.passes import every_row_logits, prompt_plan
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from core.engine import Engine
-from kernels.pass_inputs import token_positions_slots
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.engine import Engine
+from pdserve.kernels.pass_inputs import token_positions_slots
 from tests.hf_reference import random_prompts
 from tests.passes import prompt_plan
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.prefill_graphs import PREFILL_GRAPH_TOKENS, graph_token_sizes
+from pdserve.core.prefill_graphs import PREFILL_GRAPH_TOKENS, graph_token_sizes
 
 
 def test_sizes_run_up_to_the_first_that_holds_the_budget() -> None:

@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-import prefill_worker.worker
-from core import ipc
-from core.config import CacheConfig, EngineConfig, ModelConfig
-from core.messages import (
+from pdserve.core import ipc
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.core.messages import (
     GenerateCmd,
     HandoffCmd,
     HandshakeCmd,
@@ -29,7 +28,8 @@ from core.messages import (
     encode,
     pack_token_ids,
 )
-from prefill_worker.worker import PrefillWorker
+from pdserve.prefill_worker import worker as prefill_worker_module
+from pdserve.prefill_worker.worker import PrefillWorker
 
 
 @pytest.fixture(params=["shm", "auto"])
@@ -73,7 +73,7 @@ def test_auto_handshake_names_the_pairs_transport_and_survives_a_failed_open(
     def broken(*args: object) -> None:
         raise OSError("no shared memory here")
 
-    monkeypatch.setattr(prefill_worker.worker, "make_source", broken)
+    monkeypatch.setattr(prefill_worker_module, "make_source", broken)
     refused = handshake(worker, 0)
     assert not refused.ok and "cannot open the shm KV transport: no shared memory here" in refused.error
     monkeypatch.undo()

@@ -9,15 +9,15 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from core.block_pool import BlockPool
-from core.kv_cache_manager import KVCacheManager
-from core.kv_events import KvEventPublisher, KvOrigin
-from core.messages import KvEventBatchEvent, KvSnapshotEvent, decode, encode
-from core.request import Request
-from core.sampler import SamplingState
-from core.sampling_params import SamplingParams
-from router import prefix_index
-from router.prefix_index import PrefixIndex, WorkerKey, prompt_block_hashes
+from pdserve.core.block_pool import BlockPool
+from pdserve.core.kv_cache_manager import KVCacheManager
+from pdserve.core.kv_events import KvEventPublisher, KvOrigin
+from pdserve.core.messages import KvEventBatchEvent, KvSnapshotEvent, decode, encode
+from pdserve.core.request import Request
+from pdserve.core.sampler import SamplingState
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.router import prefix_index
+from pdserve.router.prefix_index import PrefixIndex, WorkerKey, prompt_block_hashes
 
 BLOCK_SIZE = 4
 STEMS = [[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7]]

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from core.engine import Engine
-from core.sampler import SamplingState
-from core.sampling_params import SamplingParams
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.engine import Engine
+from pdserve.core.sampler import SamplingState
+from pdserve.core.sampling_params import SamplingParams
 from tests.hf_reference import random_prompts
 
 BS = 16

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from core.messages import pack_token_ids
-from core.request import Request
-from core.sampler import SamplingState
-from core.sampling_params import SamplingParams
+from pdserve.core.messages import pack_token_ids
+from pdserve.core.request import Request
+from pdserve.core.sampler import SamplingState
+from pdserve.core.sampling_params import SamplingParams
 
 
 def make(ids: list[int], with_array: bool = True, pending: bool = False) -> Request:

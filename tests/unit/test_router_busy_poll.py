@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from router import busy_poll
-from router.busy_poll import BusyPoll
+from pdserve.router import busy_poll
+from pdserve.router.busy_poll import BusyPoll
 
 
 @pytest.fixture

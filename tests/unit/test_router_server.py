@@ -25,8 +25,8 @@ import zmq.asyncio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from core import ipc
-from core.messages import (
+from pdserve.core import ipc
+from pdserve.core.messages import (
     AbortCmd,
     DecodeWorkerLostCmd,
     GenerateCmd,
@@ -38,12 +38,12 @@ from core.messages import (
     decode,
     pack_token_ids,
 )
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from router import client
-from router.config import RouterConfig
-from router.server import RouterServer
-from router.tokenizer import RouterTokenizer
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.router import client
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import RouterServer
+from pdserve.router.tokenizer import RouterTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT_INTERVAL = 0.05

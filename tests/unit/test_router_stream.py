@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from core.messages import Sampling, Timings, TokenEvent
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from router.stream import ResponseBuilder, TokenReorderer, merge
-from router.tokenizer import RouterTokenizer
+from pdserve.core.messages import Sampling, Timings, TokenEvent
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.router.stream import ResponseBuilder, TokenReorderer, merge
+from pdserve.router.tokenizer import RouterTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from core.messages import Sampling
-from proto.pdserve.v1 import pdserve_pb2 as pb
-from router.model_info import ModelSpec
-from router.tokenizer import RouterTokenizer
-from router.validation import RequestValidator, ValidationError
+from pdserve.core.messages import Sampling
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.router.model_info import ModelSpec
+from pdserve.router.tokenizer import RouterTokenizer
+from pdserve.router.validation import RequestValidator, ValidationError
 
 
 @pytest.fixture(scope="module")

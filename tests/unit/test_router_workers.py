@@ -7,13 +7,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from core.messages import HeartbeatEvent, KvSnapshotEvent, Sampling
-from router.config import RouterConfig
-from router.dispatch import COLOCATED, Assignment, ClusterView, Dispatcher, NoWorkerError, choose_decode
-from router.liveness import Change, LayoutMismatch, Liveness
-from router.prefix_index import PrefixIndex, prompt_block_hashes
-from router.requests import DuplicateRequestError, RequestTable
-from router.routing import PrefillLoad
+from pdserve.core.messages import HeartbeatEvent, KvSnapshotEvent, Sampling
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch import COLOCATED, Assignment, ClusterView, Dispatcher, NoWorkerError, choose_decode
+from pdserve.router.liveness import Change, LayoutMismatch, Liveness
+from pdserve.router.prefix_index import PrefixIndex, prompt_block_hashes
+from pdserve.router.requests import DuplicateRequestError, RequestTable
+from pdserve.router.routing import PrefillLoad
 
 
 def hb(role: str, worker: int, incarnation: str = "a", free: int = 10) -> HeartbeatEvent:

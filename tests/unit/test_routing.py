@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from router.routing import (
+from pdserve.router.routing import (
     PendingPrefixes,
     PrefillChoice,
     PrefillLoad,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.sampler import Sampler, SamplingState, step_seed
-from core.sampling_params import SamplingParams
+from pdserve.core.sampler import Sampler, SamplingState, step_seed
+from pdserve.core.sampling_params import SamplingParams
 
 EOS = 3
 

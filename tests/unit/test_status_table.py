@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from router import status as st
+from pdserve.router import status as st
 
 
 def role(name: str, pid: int | None, restarts: int = 0, uptime_s: float = 12.3) -> dict[str, Any]:

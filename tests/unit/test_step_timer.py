@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from core.step_timer import StepTimer, quantile_ms
+from pdserve.core.step_timer import StepTimer, quantile_ms
 
 
 def test_intervals_between_busy_steps_are_counted_and_idle_gaps_are_not() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from router.tokenizer import REPLACEMENT_CHAR, ChatTemplateError, RouterTokenizer, StopStringMatcher
+from pdserve.router.tokenizer import REPLACEMENT_CHAR, ChatTemplateError, RouterTokenizer, StopStringMatcher
 
 CHATS = [
     [{"role": "user", "content": "Tell me a joke."}],

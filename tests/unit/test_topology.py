@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from core import ipc
+from pdserve.core import ipc
 
 
 def write(run_dir: Path, **topo: object) -> Path:

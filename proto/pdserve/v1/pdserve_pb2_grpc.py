@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.pdserve.v1 import pdserve_pb2 as proto_dot_pdserve_dot_v1_dot_pdserve__pb2
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as proto_dot_pdserve_dot_v1_dot_pdserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
