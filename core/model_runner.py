@@ -21,7 +21,7 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.scheduler import ScheduledChunk, StepPlan
 from pdserve.kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, TorchAttention
 from pdserve.kernels.pass_inputs import token_positions_slots
-from pdserve.kernels.prefill_splits import SPLIT_MAX_TOKENS, SPLIT_MIN_PREFIX
+from pdserve.kernels.split_policy import SPLIT_MAX_TOKENS, SPLIT_MIN_PREFIX
 
 WARMUP_LENGTHS = (1, 7, 16, 31, 64, 200)
 """Prompt lengths of the warm-up passes: each prefill-attention tile height (it follows the longest query)."""

@@ -32,7 +32,7 @@ import torch
 from pdserve.core.cuda_graphs import capture
 from pdserve.kernels.attention import AttentionBackend, AttentionMetadata, OutputRows
 from pdserve.kernels.pass_inputs import fill_positions_slots
-from pdserve.kernels.prefill_splits import SPLIT_MAX_TOKENS, SPLIT_MIN_PREFIX, choose_num_splits
+from pdserve.kernels.split_policy import SPLIT_MAX_TOKENS, SPLIT_MIN_PREFIX, choose_num_splits
 
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, *range(512, 2048, 64), *range(2048, 4097, 32))
 """Token counts a graph may be captured at; a pass of more tokens than the largest captured runs eagerly.

@@ -35,15 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.prefill_splits import (
-    MIN_SPLIT_TILES,
-    PrefillWorkspace,
-    cached_prefix_len,
-    merge_splits,
-    split_range,
-    store_partial,
-)
+from pdserve.kernels.prefill_splits import PrefillWorkspace, cached_prefix_len, merge_splits, split_range, store_partial
 from pdserve.kernels.prefill_tiles import attend_new, attend_prefix, load_q, new_token_inputs
+from pdserve.kernels.split_policy import MIN_SPLIT_TILES
 
 LOG2E = 1.4426950408889634
 MIN_HEAD_DIM = 16

@@ -4,12 +4,13 @@ chunked prefill.
 The prefill kernel runs one program per (query head, query tile, sequence), and each walks its sequence's
 whole cached prefix alone. A pass of few new tokens has few programs: 104 new tokens after a 896-token cached
 prefix are 64 programs (32 heads x 2 tiles) on a 132-SM GPU, each walking 14 key tiles in a row. A pass of at
-most SPLIT_MAX_TOKENS tokens with a prefix of SPLIT_MIN_PREFIX tokens or more (choose_num_splits, on the host)
-launches NUM_SPLITS programs per (head, tile, sequence); each sequence splits its cached prefix on the device
-(`split_range`) into at most NUM_SPLITS ranges of at least MIN_SPLIT_TILES key tiles, so a sequence with a
-short prefix or none runs one split, which writes `out` as an unsplit pass does, and the surplus programs
-return at once. Several splits write a normalised partial output and its log2-sum-exp to a PrefillWorkspace,
-and `merge_splits` combines them into `out`; the last split also attends the new tokens.
+most SPLIT_MAX_TOKENS tokens with a prefix of SPLIT_MIN_PREFIX tokens or more (choose_num_splits, on the host:
+kernels/split_policy.py) launches NUM_SPLITS programs per (head, tile, sequence); each sequence splits its
+cached prefix on the device (`split_range`) into at most NUM_SPLITS ranges of at least MIN_SPLIT_TILES key
+tiles, so a sequence with a short prefix or none runs one split, which writes `out` as an unsplit pass does,
+and the surplus programs return at once. Several splits write a normalised partial output and its
+log2-sum-exp to a PrefillWorkspace, and `merge_splits` combines them into `out`; the last split also attends
+the new tokens.
 
 NOTE: the surplus programs are not free: a graphed 128-token pass has 8 sequence slots, so 4096 programs
 instead of 512. Splitting every pass of few tokens cost a 104-token prompt with no prefix 0.33 ms on an H100
@@ -29,14 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-SPLIT_MAX_TOKENS = 256
-"""Passes of at most this many new tokens split their cached prefixes (longer ones fill the GPU unsplit)."""
-NUM_SPLITS = 8
-"""Programs per (head, query tile, sequence) of a split pass: the most ranges a prefix is cut into."""
-MIN_SPLIT_TILES = 2
-"""Key tiles a split walks at least: a prefix of under 2 * MIN_SPLIT_TILES tiles runs unsplit."""
-SPLIT_MIN_PREFIX = 2048
-"""A pass splits when one of its sequences has at least this many cached tokens (see the NOTE above)."""
+from pdserve.kernels.split_policy import MIN_SPLIT_TILES, NUM_SPLITS
 
 
 class PrefillWorkspace(NamedTuple):
@@ -56,12 +50,6 @@ class PrefillWorkspace(NamedTuple):
         num_tokens, num_heads, head_dim = q.shape
         part = self.partial_out
         return part.shape[1] >= num_tokens and part.shape[2:] == (num_heads, head_dim) and part.device == q.device
-
-
-def choose_num_splits(num_tokens: int, max_prefix_len: int) -> int:
-    """Split programs per (head, query tile, sequence) of a pass of num_tokens new tokens whose longest cached
-    prefix has max_prefix_len tokens."""
-    return NUM_SPLITS if num_tokens <= SPLIT_MAX_TOKENS and max_prefix_len >= SPLIT_MIN_PREFIX else 1
 
 
 @triton.jit

@@ -24,7 +24,8 @@ from pdserve.kernels.attention import AttentionMetadata, Rope
 from pdserve.kernels.decode_attention import MAX_SPLITS, DecodeWorkspace, paged_decode_attention
 from pdserve.kernels.kv_append import append_kv
 from pdserve.kernels.prefill_attention import paged_prefill_attention
-from pdserve.kernels.prefill_splits import SPLIT_MAX_TOKENS, PrefillWorkspace, choose_num_splits
+from pdserve.kernels.prefill_splits import PrefillWorkspace
+from pdserve.kernels.split_policy import SPLIT_MAX_TOKENS, choose_num_splits
 
 ROWS_NUM_SPLITS = 8
 """Split-K partitions of forward_rows' decode attention, fixed: a split count picked per pass (from the rows and

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from bench_prefill import SHAPE, print_profile, time_cuda, write_config
 
-import pdserve.kernels.prefill_splits as prefill_splits
+import pdserve.kernels.split_policy as split_policy
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.core.engine import Engine
 from pdserve.core.messages import pack_token_ids, unpack_token_ids
@@ -36,9 +36,9 @@ BLOCK_SIZE = 16
 def bench_hits(folder: Path, cached: int, new: int, repeats: int, split: bool, profile: bool) -> list[float]:
     """ms per engine.generate of prefix + `new` fresh tokens, the prefix cached; split=False: unsplit passes."""
     assert cached % BLOCK_SIZE == 0, f"the cached prefix must be whole blocks of {BLOCK_SIZE}"
-    saved = prefill_splits.SPLIT_MIN_PREFIX
+    saved = split_policy.SPLIT_MIN_PREFIX
     if not split:  # NOTE: choose_num_splits reads the threshold when called: no pass splits
-        prefill_splits.SPLIT_MIN_PREFIX = 1 << 30
+        split_policy.SPLIT_MIN_PREFIX = 1 << 30
     try:
         engine = _engine(folder, cached + new, (cached + (repeats + 8) * new) // BLOCK_SIZE + 64)
         gen = torch.Generator().manual_seed(cached * 7 + new)
@@ -60,7 +60,7 @@ def bench_hits(folder: Path, cached: int, new: int, repeats: int, split: bool, p
             print_profile(f"hit {cached}+{new}, split {split}", run)
         return times
     finally:
-        prefill_splits.SPLIT_MIN_PREFIX = saved
+        split_policy.SPLIT_MIN_PREFIX = saved
 
 
 def bench_miss(folder: Path, tokens: int, repeats: int) -> list[float]:

@@ -230,7 +230,7 @@ def test_short_passes_after_long_cached_prefixes_split_and_match_hf_on_gpu(
     then decode; greedy tokens equal transformers' on the same GPU in fp32."""
     from pdserve.core import prefill_graphs
     from pdserve.kernels import triton_backend
-    from pdserve.kernels.prefill_splits import NUM_SPLITS
+    from pdserve.kernels.split_policy import NUM_SPLITS
     from tests.models import make_tiny_llama
 
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -30,13 +30,8 @@ from pdserve.kernels.prefill_attention import (
     paged_prefill_attention_ref,
     tma_supported,
 )
-from pdserve.kernels.prefill_splits import (
-    NUM_SPLITS,
-    SPLIT_MAX_TOKENS,
-    SPLIT_MIN_PREFIX,
-    PrefillWorkspace,
-    choose_num_splits,
-)
+from pdserve.kernels.prefill_splits import PrefillWorkspace
+from pdserve.kernels.split_policy import NUM_SPLITS, SPLIT_MAX_TOKENS, SPLIT_MIN_PREFIX, choose_num_splits
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}

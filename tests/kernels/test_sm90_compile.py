@@ -23,6 +23,7 @@ import pdserve.kernels.decode_attention as decode_attention  # noqa: E402
 import pdserve.kernels.kv_append as kv_append  # noqa: E402
 import pdserve.kernels.prefill_attention as prefill_attention  # noqa: E402
 import pdserve.kernels.prefill_splits as prefill_splits  # noqa: E402
+import pdserve.kernels.split_policy as split_policy  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
 INT_POINTERS = ("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr")
@@ -48,7 +49,7 @@ def compile_sm90(
     return str(kernel.asm["ptx"])
 
 
-PREFILL = dict(HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_M=64, MIN_TILES=prefill_splits.MIN_SPLIT_TILES)
+PREFILL = dict(HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_M=64, MIN_TILES=split_policy.MIN_SPLIT_TILES)
 
 
 def test_bf16_prefill_kernel_compiles_for_sm90_with_tma_and_warpgroup_mma() -> None:
@@ -67,7 +68,7 @@ def test_prefill_kernel_compiles_for_sm90_with_pointer_loads(dtype: str) -> None
 
 
 def test_split_merge_kernel_compiles_for_sm90() -> None:
-    consts = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, MIN_TILES=prefill_splits.MIN_SPLIT_TILES)
+    consts = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, MIN_TILES=split_policy.MIN_SPLIT_TILES)
     assert ".entry _merge_kernel" in compile_sm90(prefill_splits._merge_kernel, "bf16", consts, num_warps=4)
 
 
