@@ -96,6 +96,7 @@ def check_cpu_cases() -> None:
         run_case(case, seed=i, device="cpu")
 
 
+@pytest.mark.slow
 def test_kernel_matches_reference_under_triton_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     code = "from tests.kernels.test_block_copy import check_cpu_cases; check_cpu_cases()"

@@ -6,13 +6,14 @@ subprocess (TRITON_INTERPRET must be set before triton is imported, so never in 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -160,9 +161,10 @@ def _interpreter_checks() -> None:
     print("interpreter checks passed")
 
 
+@pytest.mark.slow
 def test_kernels_match_reference_under_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env = child_env(TRITON_INTERPRET="1")
     code = "from tests.kernels.test_decode_kernels import _interpreter_checks; _interpreter_checks()"
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -8,7 +8,6 @@ that the model imports where triton is not installed.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from pdserve.kernels import fused_ops
+from tests.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -176,7 +176,7 @@ def test_models_import_and_run_without_triton() -> None:
         "assert torch.equal(fused_ops.rms_norm(x, w, 1e-6), fused_ops.rms_norm_ref(x, w, 1e-6))\n"
         "print('imported without triton')\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "imported without triton" in run.stdout
@@ -191,9 +191,10 @@ def _interpreter_checks() -> None:
     print("interpreter checks passed")
 
 
+@pytest.mark.slow
 def test_kernels_match_reference_under_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env = child_env(TRITON_INTERPRET="1")
     code = "from tests.kernels.test_fused_ops import _interpreter_checks; _interpreter_checks()"
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -3,7 +3,6 @@ random inputs (strided rows, odd widths), on CPU under the Triton interpreter in
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels import layer_norm as ln
+from tests.child_env import child_env
 from tests.kernels.test_fused_ops import DTYPES, ROOT, assert_matches, randn, strided
 
 CASES = [(1, 64), (7, 768), (130, 1024), (5, 1000), (3, 4096)]  # num_tokens, hidden
@@ -70,9 +70,10 @@ def _interpreter_checks() -> None:
     print("interpreter checks passed")
 
 
+@pytest.mark.slow
 def test_kernel_matches_reference_under_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env = child_env(TRITON_INTERPRET="1")
     code = "from tests.kernels.test_layer_norm import _interpreter_checks; _interpreter_checks()"
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -201,6 +201,7 @@ def check_cpu_cases() -> None:
     assert_matches_reference(batch, q_view)
 
 
+@pytest.mark.slow
 def test_kernel_matches_reference_under_triton_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     code = "from tests.kernels.test_prefill_attention import check_cpu_cases; check_cpu_cases()"

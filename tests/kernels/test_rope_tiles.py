@@ -7,7 +7,6 @@ GPU tests run on CUDA; the same comparison runs on CPU under the Triton interpre
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 
 from pdserve.kernels.attention import AttentionMetadata, OutputRows, Rope, TorchAttention
 from pdserve.kernels.rope_tiles import RopeTables, rope_ref_one
+from tests.child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -181,9 +181,10 @@ def _interpreter_checks() -> None:
     print("interpreter checks passed")
 
 
+@pytest.mark.slow
 def test_backends_match_under_the_triton_interpreter() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    env = child_env(TRITON_INTERPRET="1")
     code = "from tests.kernels.test_rope_tiles import _interpreter_checks; _interpreter_checks()"
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -11,7 +11,6 @@ running; nothing leaks.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
@@ -24,7 +23,8 @@ import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.core.messages import HandoffCmd, Sampling, Timings, encode, pack_token_ids
-from tests.e2e.cluster import ROOT, free_port
+from tests.child_env import child_env
+from tests.e2e.cluster import free_port
 from tests.e2e.test_cluster import greedy_request, stream, tokens_of
 from tests.reliability.report import record
 
@@ -52,7 +52,7 @@ class HandCluster:
     def _start(self, module: str, args: list[str]) -> subprocess.Popen[bytes]:
         name = module if module == "router" else f"{module.split('_')[0]}-{args[-1]}"
         log = open(self.run_dir / "logs" / f"{name}.log", "wb")  # noqa: SIM115 - the child owns it
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = child_env()
         return subprocess.Popen(
             [sys.executable, "-m", f"pdserve.{module}", *args], stdout=log, stderr=subprocess.STDOUT, env=env
         )

@@ -36,6 +36,7 @@ def test_greedy_batch_of_mixed_lengths_matches_hf(family: str, chunk: int | None
     assert engine.pool.num_used_blocks == 0
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_matches_hf(smollm2_dir: Path) -> None:
     from transformers import AutoTokenizer
 
