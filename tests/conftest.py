@@ -31,10 +31,17 @@ def smollm2_dir() -> Path:
         pytest.skip(str(exc))
 
 
+SLOW_DIRS = ("e2e", "reliability")
+"""Folders whose tests start real clusters: all marked `slow` (the fast lane is `scripts/test.sh -m "not slow"`)."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` are skipped where torch sees no CUDA device."""
+    """Tests under SLOW_DIRS are marked `slow`; tests marked `gpu` are skipped where torch sees no CUDA device."""
     import torch
 
+    for item in items:
+        if item.path.parent.name in SLOW_DIRS:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
