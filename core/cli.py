@@ -1,10 +1,12 @@
-"""Command-line flags shared by the worker processes, mapped onto EngineConfig."""
+"""The worker processes' command line (`python -m pdserve.prefill_worker` / `decode_worker`): flags and checks.
+
+NOTE: no torch here (core/worker_main.py maps the flags onto EngineConfig): the cluster launcher, in the
+torch-free router package, builds each worker's argv against this parser.
+"""
 
 from __future__ import annotations
 
 import argparse
-
-from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -52,24 +54,14 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    model = ModelConfig.from_pretrained(args.model, dtype=args.dtype, load_format=args.load_format)
-    cache = CacheConfig(
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        memory_fraction=args.kv_memory_fraction,
-        enable_prefix_caching=not args.no_prefix_caching,
-    )
-    sched = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_chunk_size=args.prefill_chunk_size,
-    )
-    return EngineConfig(
-        model=model,
-        cache=cache,
-        scheduler=sched,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
-    )
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """Every flag of a prefill or decode worker."""
+    add_engine_args(parser)
+    add_cluster_args(parser)
+
+
+def worker_args_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with parsed worker flags beyond what argparse checks, or None."""
+    if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 2):
+        return "--block-size must be >= 1 and --num-blocks >= 2"
+    return None

@@ -20,6 +20,7 @@ from pdserve.core.engine import Engine
 from pdserve.core.errors import InvalidRequestError
 from pdserve.core.gc_pauses import GcPauses, freeze_startup_heap
 from pdserve.core.kv_events import KvEventPublisher, KvOrigin
+from pdserve.core.lifecycle import RESTARTS_ENV
 from pdserve.core.messages import (
     GenerateCmd,
     HeartbeatEvent,
@@ -39,10 +40,6 @@ log = logging.getLogger(__name__)
 Role = Literal["prefill", "decode"]
 PENDING_POLL_MS = 1
 """Poll timeout of an idle loop while has_pending_work(): short, so that work is not held up a heartbeat."""
-
-
-RESTARTS_ENV = "PDSERVE_RESTARTS"
-"""Set by the supervisor: how many times it restarted this worker (the pdserve_process_restarts metric)."""
 
 
 def bad_fields(cmd: GenerateCmd) -> str | None:

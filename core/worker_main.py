@@ -9,8 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.core.busy_poll import busy_poll_seconds
-from pdserve.core.cli import add_cluster_args, add_engine_args, engine_config_from_args
-from pdserve.core.config import EngineConfig
+from pdserve.core.cli import add_worker_args, worker_args_error
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.lifecycle import STARTUP_ERROR_EXIT
 from pdserve.core.worker_base import WorkerBase
 
 WorkerFactory = Callable[[EngineConfig, argparse.Namespace], WorkerBase]
@@ -18,11 +19,10 @@ WorkerFactory = Callable[[EngineConfig, argparse.Namespace], WorkerBase]
 
 def main(role: str, factory: WorkerFactory, argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m pdserve.{role}_worker", description=f"pdserve {role} worker")
-    add_engine_args(parser)
-    add_cluster_args(parser)
+    add_worker_args(parser)
     args = parser.parse_args(argv)
-    if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 2):
-        parser.error("--block-size must be >= 1 and --num-blocks >= 2")
+    if (error := worker_args_error(args)) is not None:
+        parser.error(error)
     logging.basicConfig(
         level=args.log_level,
         format=f"%(asctime)s {role}-{args.worker_id} %(levelname)s %(name)s: %(message)s",
@@ -38,6 +38,29 @@ def main(role: str, factory: WorkerFactory, argv: list[str] | None = None) -> in
             logging.getLogger(__name__).info("metrics on http://127.0.0.1:%d/metrics", port)
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"pdserve {role} worker {args.worker_id}: cannot start: {exc}", file=sys.stderr)
-        return 2
+        return STARTUP_ERROR_EXIT
     worker.run()
     return 0
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    model = ModelConfig.from_pretrained(args.model, dtype=args.dtype, load_format=args.load_format)
+    cache = CacheConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        memory_fraction=args.kv_memory_fraction,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    sched = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk_size=args.prefill_chunk_size,
+    )
+    return EngineConfig(
+        model=model,
+        cache=cache,
+        scheduler=sched,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
+    )

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.core.gc_pauses import GcPauses, freeze_startup_heap
+from pdserve.core.lifecycle import READY_LINE
 from pdserve.core.messages import MAX_MESSAGE_BYTES, RequestErrorEvent
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -33,7 +34,6 @@ from pdserve.router.workers import WorkerHub
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-READY_LINE = "pdserve router ready on {address}"
 REFUSALS: dict[type[Exception], grpc.StatusCode] = {
     ValidationError: grpc.StatusCode.INVALID_ARGUMENT,
     DuplicateRequestError: grpc.StatusCode.ALREADY_EXISTS,

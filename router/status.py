@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 RUN_DIR_PREFIX = "pdserve-"
-"""scripts/supervisor.py without --run-dir makes tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)."""
+"""pdserve-cluster (router/cluster_cli.py) without --run-dir makes tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)."""
 COLUMNS = ("NAME", "PID", "STATE", "UPTIME", "RESTARTS", "KV USED/FREE/TOTAL", "CACHED", "RUNNING", "WAITING")
 
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Starts a pdserve cluster: router + N prefill + M decode workers under per-role supervision.
-#   scripts/launch_cluster.sh [--model DIR] [--prefill N] [--decode M] [--device cuda|cpu] [--port P] [worker flags...]
+#   scripts/launch_cluster.sh [--model DIR] [--prefill N] [--decode M] [--device cuda|cpu] [--port P] [flags...]
 #   scripts/launch_cluster.sh --colocated [--decode M] ...   one process per GPU share doing prefill and decode
 #   scripts/launch_cluster.sh status [--run-dir DIR] [--json]   the processes of a running cluster (pdserve-status)
 # On a fresh machine it first creates .venv, installs pdserve and converts the bundled SmolLM2-135M-Instruct.
+# Flags: pdserve-cluster --help (router/cluster_cli.py); a router or worker flag reaches the processes that take it.
 # Prints one line when the cluster serves; Ctrl-C / SIGTERM stops every process.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -29,4 +30,4 @@ fi
 if [ -z "$device" ]; then
   device=$("$py" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')
 fi
-exec "$py" "$root/scripts/supervisor.py" --model "$model" --device "$device" ${args[@]+"${args[@]}"}
+exec "$root/.venv/bin/pdserve-cluster" --model "$model" --device "$device" ${args[@]+"${args[@]}"}

@@ -1,10 +1,9 @@
-"""Start a real cluster (scripts/supervisor.py) for end-to-end tests and look inside it."""
+"""Start a real cluster (pdserve-cluster, router/cluster_cli.py) for end-to-end tests and look inside it."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -33,14 +32,12 @@ class Cluster:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.run_dir = run_dir
-        argv = [sys.executable, str(ROOT / "scripts" / "supervisor.py"), "--model", str(model)]
+        argv = [sys.executable, "-m", "pdserve.router.cluster_cli", "--model", str(model)]
         argv += ["--prefill", str(prefill), "--decode", str(decode), "--port", str(self.port)]
         # NOTE: metrics on free ports (RUN_DIR/metrics/*.port): clusters of parallel runs must not collide
         argv += ["--run-dir", str(run_dir), "--device", device, "--metrics-port", "0", *extra]
-        path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         self.output: list[str] = []
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _drain(self) -> None:

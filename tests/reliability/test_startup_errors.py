@@ -3,19 +3,21 @@ and a non-zero exit, no stack dump (GitHub issue 7)."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from pdserve.router.supervisor import TAIL_PREFIX
 from tests.e2e.cluster import ROOT
 from tests.reliability.report import record
 
 TIMEOUT_S = 60
+LAUNCH_TIMEOUT_S = 30
 MISSING = "/nonexistent/pdserve-model"
 
 
@@ -29,15 +31,13 @@ def busy_port() -> Iterator[int]:
 
 
 def run(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(
-        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
-    )
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 def error_lines(stderr: str) -> list[str]:
-    """The lines that state an error (argparse's 'usage:' lines aside)."""
-    return [line for line in stderr.splitlines() if "cannot start" in line or "error:" in line]
+    """The lines that state an error (argparse's 'usage:' lines and the log lines pdserve-cluster quotes aside)."""
+    lines = [line for line in stderr.splitlines() if not line.startswith(TAIL_PREFIX)]
+    return [line for line in lines if "cannot start" in line or "error:" in line]
 
 
 def check_one_clear_line(case: str, proc: subprocess.CompletedProcess[str], needle: str) -> None:
@@ -67,7 +67,7 @@ def router_argv(model: str | Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 def supervisor_argv(model: str | Path, run_dir: Path, *extra: str) -> list[str]:
-    return [str(ROOT / "scripts" / "supervisor.py"), "--model", str(model), "--run-dir", str(run_dir), *extra]
+    return ["-m", "pdserve.router.cluster_cli", "--model", str(model), "--run-dir", str(run_dir), *extra]
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -109,6 +109,10 @@ def test_router_with_bad_flag_gets_usage_error(tmp_path: Path, flags: tuple[str,
 def test_supervisor_with_missing_model_exits(tmp_path: Path) -> None:
     proc = run(supervisor_argv(MISSING, tmp_path, "--port", "0"))
     check_one_clear_line("supervisor, missing model", proc, MISSING)
+    logs = tmp_path / "logs"
+    assert f"before it was ready; the end of its log {logs}/" in proc.stderr  # then the log's last lines, quoted
+    assert any(line.startswith(TAIL_PREFIX) and MISSING in line for line in proc.stderr.splitlines())
+    assert f"; see {logs}/" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_supervisor_on_a_busy_port_exits(tiny_llama_dir: Path, tmp_path: Path, busy_port: int) -> None:
@@ -126,3 +130,14 @@ def test_supervisor_with_bad_flag_exits(
 ) -> None:
     proc = run(supervisor_argv(tiny_llama_dir, tmp_path, "--port", "0", *flags))
     check_one_clear_line(f"supervisor, bad flag {' '.join(flags)}", proc, needle)
+    assert not (tmp_path / "logs").exists(), "a process started despite the bad flag"
+
+
+@pytest.mark.slow
+def test_launch_cluster_with_missing_model_says_why_at_once(tmp_path: Path) -> None:
+    """The README's command with a wrong model: it stops within LAUNCH_TIMEOUT_S with the cause on screen."""
+    argv = [str(ROOT / "scripts" / "launch_cluster.sh"), "--model", MISSING, "--port", "0", "--run-dir", str(tmp_path)]
+    start = time.monotonic()
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, check=False)
+    assert proc.returncode != 0 and time.monotonic() - start < LAUNCH_TIMEOUT_S
+    check_one_clear_line("launch_cluster.sh, missing model", proc, MISSING)

@@ -591,8 +591,8 @@ def test_router_process_prints_ready_line_serves_and_stops_on_sigterm(
 
 def test_router_modules_do_not_import_torch() -> None:
     code = (
-        "import pkgutil, importlib, sys, router\n"
-        "for m in pkgutil.iter_modules(router.__path__): importlib.import_module(f'router.{m.name}')\n"
+        "import pkgutil, importlib, sys, pdserve.router as router\n"
+        "for m in pkgutil.iter_modules(router.__path__): importlib.import_module(f'pdserve.router.{m.name}')\n"
         "bad = sorted(n for n in ('torch', 'transformers') if n in sys.modules)\n"
         "assert not bad, bad\n"
         "print(len(list(pkgutil.iter_modules(router.__path__))))\n"

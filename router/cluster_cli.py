@@ -1,0 +1,217 @@
+"""`pdserve-cluster` (scripts/launch_cluster.sh): a router, N prefill and M decode workers under supervision
+(router/supervisor.py); with --colocated, the router and M decode workers that prefill their own requests.
+
+The launcher's own flags are the cluster-level ones below; it hands model, run dir, log level, busy-poll window
+and block size to every process and sets each one's plumbing (--worker-id, --num-prefill, ports). Any other
+flag goes to the processes whose own parser defines it (router/cluster_flags.py), and every process's final
+command line is checked with its parser before the first one starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import NamedTuple
+
+from pdserve.core.busy_poll import busy_poll_seconds
+from pdserve.core.ipc import TOPOLOGY_FILE
+from pdserve.router.cli import LOG_LEVELS
+from pdserve.router.cluster_flags import CHILD_CLIS, ROUTER, WORKER, ArgvError, ChildCli, split_flags
+from pdserve.router.placement import Mps, gpu_lists, placement, read_topology, roles_share_a_gpu
+from pdserve.router.status import RUN_DIR_PREFIX
+from pdserve.router.supervisor import Child, Supervisor
+
+CHILD_PREFIX = 3
+"""Tokens before a child's flags in its argv: python -m MODULE."""
+
+
+class ClusterPlan(NamedTuple):
+    """The processes a command line asks for, their command lines checked, none started."""
+
+    children: list[Child]
+    grace: float
+    """The router's --grace, as its parser reads it: how long the router may take to stop."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # NOTE: no abbreviations: "--max-q" must not become a launcher flag instead of reaching the router
+    p = argparse.ArgumentParser(
+        prog="pdserve-cluster",
+        description="Run a pdserve cluster under supervision.",
+        allow_abbrev=False,
+        epilog=f"Any other flag goes to each process whose own parser defines it: see `{ROUTER.prog} --help` "
+        "(e.g. --grace, --routing, --max-queued) and `python -m pdserve.prefill_worker --help` "
+        "(e.g. --num-blocks, --dtype, --transport).",
+    )
+    p.add_argument("--model", required=True, help="model folder, for every process")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--device", default="cpu", help="the workers' device: cpu | cuda | cuda:N")
+    p.add_argument("--port", type=int, default=50051, help="the router's gRPC port (0: a free one)")
+    p.add_argument("--bind", default="127.0.0.1", help="the router's gRPC host")
+    p.add_argument("--run-dir", default=None, help="ipc sockets, logs, stats (default: a new temp dir)")
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="no prefill workers: each decode worker prefills its own requests (the benchmarks' baseline)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="KV block size (tokens) of every worker")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9400,
+        help="Prometheus metrics on 127.0.0.1: router at this port, prefill i at +1+i, decode j at +1+P+j "
+        "(0: free ports, written to RUN_DIR/metrics/; -1: off)",
+    )
+    p.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="every process; WARNING drops "
+        "the per-request lines",
+    )  # fmt: skip
+    p.add_argument(
+        "--busy-poll-ms",
+        type=float,
+        default=None,
+        help="every process: after work, poll without sleeping this long (default: 1000 on CUDA, 0 on CPU)",
+    )
+    _add_placement_args(p)
+    return p
+
+
+def _add_placement_args(p: argparse.ArgumentParser) -> None:
+    """Where the processes run: MPS, GPUs, hosts."""
+    p.add_argument(
+        "--mps",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="MPS SM partitioning between roles sharing a GPU (auto: on for --device cuda)",
+    )
+    p.add_argument("--mps-split", default="50/50", help="SM share in percent, prefill/decode (default 50/50)")
+    p.add_argument("--prefill-gpus", default=None, help="GPUs of the prefill workers, e.g. 0 or 0,1 (round robin)")
+    p.add_argument(
+        "--decode-gpus", default=None, help="GPUs of the decode workers; MPS (auto) only where roles share a GPU"
+    )
+    p.add_argument(
+        "--topology",
+        default=None,
+        help="JSON {router: host, prefill: [hosts], decode: [hosts], base_port}: a cluster over several hosts, "
+        "TCP between its processes (docs/deployment.md)",
+    )
+    p.add_argument("--roles", default=None, help="start only these processes here, e.g. router or prefill-0,decode-0")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The launcher's own flags, and what is left for the children; exits 2 on a bad launcher flag."""
+    args, rest = parser.parse_known_args(argv)
+    _check_args(parser, args)
+    return args, rest
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Cross-flag checks and derived values (topology, colocated, roles)."""
+    if args.colocated:
+        args.prefill = 0
+    elif args.prefill < 1:
+        p.error("--prefill must be >= 1 (or use --colocated)")
+    if args.decode < 1:
+        p.error("--decode must be >= 1")
+    try:
+        args.topology_hosts = read_topology(Path(args.topology), args.prefill, args.decode) if args.topology else None
+        gpu_lists(args.prefill_gpus), gpu_lists(args.decode_gpus)
+        args.mps_shares = _mps_shares(args.mps_split)
+    except ValueError as exc:
+        p.error(str(exc))
+    names = {"router", *(f"prefill-{i}" for i in range(args.prefill)), *(f"decode-{j}" for j in range(args.decode))}
+    args.wanted = {r.strip() for r in args.roles.split(",") if r.strip()} if args.roles else names
+    if unknown := args.wanted - names:
+        p.error(f"--roles: unknown roles {sorted(unknown)}")
+
+
+def _mps_shares(split: str) -> tuple[int, int]:
+    try:
+        prefill, decode = (int(x) for x in split.split("/"))
+    except ValueError:
+        raise ValueError(f"--mps-split {split!r}: expected PREFILL/DECODE percentages, e.g. 50/50") from None
+    return prefill, decode
+
+
+def plan_cluster(args: argparse.Namespace, rest: list[str], run_dir: Path) -> ClusterPlan:
+    """Every child with its argv: the launcher's flags, then its share of rest; each argv checked with its
+    child's parser (the router's also gives the grace). ArgvError names the flag; nothing starts."""
+    children = build_children(args, run_dir)
+    set_by_launcher: dict[str, set[str]] = {cli.kind: set() for cli in CHILD_CLIS}
+    for child in children:
+        cli = cli_of(child)
+        set_by_launcher[cli.kind] |= set(child.argv[CHILD_PREFIX:]) & cli.options().keys()
+    shares = split_flags(rest, set_by_launcher)
+    parsed = {}
+    for child in children:
+        child.argv += shares[cli_of(child).kind]
+        parsed[child.name] = cli_of(child).parse(child.argv[CHILD_PREFIX:])
+    return ClusterPlan([c for c in children if c.name in args.wanted], parsed["router"].grace)
+
+
+def cli_of(child: Child) -> ChildCli:
+    return ROUTER if child.name == "router" else WORKER
+
+
+def build_children(args: argparse.Namespace, run_dir: Path) -> list[Child]:
+    """Every process of the cluster with the flags the launcher gives it (no other flags yet)."""
+    py = sys.executable
+    logs = run_dir / "logs"
+    busy_poll_ms = busy_poll_seconds(args.busy_poll_ms, args.device) * 1e3
+    common = ["--model", args.model, "--run-dir", str(run_dir), "--log-level", args.log_level]
+    common += ["--busy-poll-ms", f"{busy_poll_ms:g}", "--block-size", str(args.block_size)]
+    router = [py, "-m", "pdserve.router", *common, "--port", str(args.port), "--bind", args.bind]
+    router += ["--prefill", str(args.prefill), "--decode", str(args.decode), *_metrics_flag(args, 0)]
+    children = [Child("router", router, logs / "router.log")]
+    worker = [*common, "--device", args.device, "--num-prefill", str(args.prefill), "--num-decode", str(args.decode)]
+    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        for i in range(count):
+            offset = 1 + i + (args.prefill if role == "decode" else 0)
+            argv = [py, "-m", f"pdserve.{role}_worker", *worker, "--worker-id", str(i), *_metrics_flag(args, offset)]
+            children.append(Child(f"{role}-{i}", argv, logs / f"{role}-{i}.log"))
+    return children
+
+
+def _metrics_flag(args: argparse.Namespace, offset: int) -> list[str]:
+    """--metrics-port of the child at offset (router 0, prefill i 1+i, decode j 1+P+j); 0 stays 0 (any free
+    port), a negative base turns metrics off."""
+    if args.metrics_port < 0:
+        return []
+    return ["--metrics-port", str(args.metrics_port + offset if args.metrics_port else 0)]
+
+
+def _mps(args: argparse.Namespace, run_dir: Path) -> Mps | None:
+    """MPS when asked for, or (auto) when CUDA workers of both roles may share a GPU."""
+    shared = roles_share_a_gpu(gpu_lists(args.prefill_gpus), gpu_lists(args.decode_gpus))
+    auto = args.mps == "auto" and args.device.startswith("cuda") and shared
+    return Mps(run_dir, args.mps_shares) if not args.colocated and (args.mps == "on" or auto) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parse_args(parser, argv)
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))
+    try:
+        plan = plan_cluster(args, rest, run_dir)
+    except ArgvError as exc:
+        if args.run_dir is None:
+            run_dir.rmdir()
+        parser.error(str(exc))
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if args.topology_hosts is not None:  # NOTE: every process reads it from its run dir (core/ipc.py)
+        (run_dir / TOPOLOGY_FILE).write_text(json.dumps(asdict(args.topology_hosts)))
+    # NOTE: the children run the installed pdserve (python -m pdserve.*): no PYTHONPATH of ours
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    gpus = placement(gpu_lists(args.prefill_gpus), gpu_lists(args.decode_gpus), args.prefill, args.decode)
+    supervisor = Supervisor(plan.children, run_dir, env, plan.grace, _mps(args, run_dir), gpus)
+    return supervisor.run(f"{args.bind}:{args.port}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

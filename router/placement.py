@@ -1,0 +1,88 @@
+"""Where a cluster's processes run: the GPUs each worker sees, MPS between roles sharing a GPU, the hosts of a
+topology. Used by the launcher (router/cluster_cli.py); standard library only."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from pdserve.core.ipc import Topology
+
+
+def read_topology(path: Path, num_prefill: int, num_decode: int) -> Topology:
+    """The topology (core/ipc.py Topology.read), checked against the worker counts; ValueError."""
+    topo = Topology.read(path)
+    if (len(topo.prefill), len(topo.decode)) != (num_prefill, num_decode):
+        raise ValueError(
+            f"topology {path} names {len(topo.prefill)} prefill and {len(topo.decode)} decode hosts for "
+            f"{num_prefill} prefill and {num_decode} decode workers"
+        )
+    return topo
+
+
+def gpu_lists(spec: str | None) -> list[str] | None:
+    """'0,1' -> ['0', '1']; None or '' -> None (the default device placement)."""
+    if not spec:
+        return None
+    gpus = [g.strip() for g in spec.split(",") if g.strip()]
+    if not gpus:
+        raise ValueError(f"no GPU in {spec!r}")
+    return gpus
+
+
+def placement(prefill_gpus: list[str] | None, decode_gpus: list[str] | None, num_prefill: int, num_decode: int
+              ) -> dict[str, str]:  # fmt: skip
+    """CUDA_VISIBLE_DEVICES of each worker ({} without --prefill-gpus / --decode-gpus): prefill i gets
+    prefill_gpus[i % n]; decode j gets decode_gpus[j % m] first (its "cuda") and then every prefill GPU, whose
+    pools it maps by CUDA IPC and copies from (peer copies; kvtransfer/cuda_ipc.py finds them by UUID)."""
+    if prefill_gpus is None and decode_gpus is None:
+        return {}
+    prefill_gpus = prefill_gpus or decode_gpus
+    decode_gpus = decode_gpus or prefill_gpus
+    assert prefill_gpus is not None and decode_gpus is not None
+    env = {f"prefill-{i}": prefill_gpus[i % len(prefill_gpus)] for i in range(num_prefill)}
+    for j in range(num_decode):
+        own = decode_gpus[j % len(decode_gpus)]
+        env[f"decode-{j}"] = ",".join([own, *dict.fromkeys(g for g in prefill_gpus if g != own)])
+    return env
+
+
+def roles_share_a_gpu(prefill_gpus: list[str] | None, decode_gpus: list[str] | None) -> bool:
+    """Whether a prefill and a decode worker may run on one GPU (then MPS splits its SMs between them)."""
+    if prefill_gpus is None or decode_gpus is None:
+        return True
+    return bool(set(prefill_gpus) & set(decode_gpus))
+
+
+class Mps:
+    """An MPS control daemon private to this cluster (own pipe and log folders), so prefill and decode on
+    one GPU each get a fixed share of its SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) instead of time slices."""
+
+    def __init__(self, run_dir: Path, split: tuple[int, int]) -> None:
+        self.env = {
+            "CUDA_MPS_PIPE_DIRECTORY": str(run_dir / "mps" / "pipe"),
+            "CUDA_MPS_LOG_DIRECTORY": str(run_dir / "mps" / "log"),
+        }
+        self.split = split
+
+    def start(self, env: dict[str, str]) -> bool:
+        exe = shutil.which("nvidia-cuda-mps-control")
+        if exe is None:
+            print("pdserve: nvidia-cuda-mps-control not found; running without MPS", file=sys.stderr)
+            return False
+        for folder in self.env.values():
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        subprocess.run([exe, "-d"], env={**env, **self.env}, check=True)
+        print(f"pdserve: MPS on, SM share prefill/decode {self.split[0]}/{self.split[1]}%", file=sys.stderr)
+        return True
+
+    def role_env(self, role: str) -> dict[str, str]:
+        share = {"prefill": self.split[0], "decode": self.split[1]}.get(role)
+        return {**self.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)} if share is not None else {}
+
+    def stop(self, env: dict[str, str]) -> None:
+        exe = shutil.which("nvidia-cuda-mps-control")
+        if exe is not None:
+            subprocess.run([exe], input=b"quit\n", env={**env, **self.env}, check=False, timeout=30)

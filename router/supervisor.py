@@ -1,0 +1,272 @@
+"""Keeps a cluster's processes up: starts each child, restarts one that crashes with exponential backoff, says
+why one that cannot start died, and stops the cluster in order (router first, then workers).
+
+A crashed worker's new incarnation shows in its heartbeats: the router fails or re-routes what the old one held
+and the prefill workers reclaim its leases. A child is ready once the router wrote its ready line (router) or a
+heartbeat with its pid (worker); one that exits before that prints the end of its log, and
+RestartPolicy.max_failed_starts such exits in a row (or a startup-error exit before the cluster served) stop
+the whole cluster. SIGTERM / SIGINT stop the router first (it finishes streams in flight within its grace
+and refuses new calls), then the workers.
+
+Why our own supervisor and not circus / supervisord: the roles need a per-cluster run directory for their ipc
+sockets and logs, a readiness line that depends on the router having seen every role, and exactly-once
+cleanup of the cluster on Ctrl-C; that is a few hundred lines of stdlib here, versus a daemon with its own
+config files, sockets and lifecycle to manage around it. Standard library only (no torch: router package).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.core.lifecycle import READY_MARK, RESTARTS_ENV, STARTUP_ERROR_EXIT
+from pdserve.router.placement import Mps
+
+STOP_MARGIN_S = 5.0
+"""Seconds a child gets past its own grace to exit on SIGTERM before it is killed."""
+TAIL_PREFIX = "  | "
+"""Marks the quoted lines of a child's log on the launcher's stderr."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a child is restarted and when the supervisor gives up on it."""
+
+    first_backoff_s: float = 0.5
+    """Wait before a restart; it doubles with each exit, up to max_backoff_s."""
+    max_backoff_s: float = 10.0
+    """Longest wait before a restart."""
+    stable_after_s: float = 30.0
+    """A ready child that ran this long before it exited restarts after first_backoff_s again."""
+    max_failed_starts: int = 3
+    """Exits in a row of one child before it became ready that stop the whole cluster."""
+    log_tail_lines: int = 15
+    """Lines of a child's log shown when it exits before it became ready."""
+    poll_s: float = 0.1
+    """Seconds between two looks at the children."""
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    """"router", "prefill-0", "decode-1", ..."""
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+    next_start: float = 0.0
+    backoff: float = RestartPolicy.first_backoff_s
+    log_offset: int = 0
+    """Size of the log when the current process started."""
+    ready: bool = False
+    """Whether the current process became ready (router: its ready line; worker: a heartbeat with its pid)."""
+    failed_starts: int = 0
+    """Processes in a row that exited before they became ready."""
+
+    @property
+    def role(self) -> str:
+        return self.name.split("-")[0]
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns the handle
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        self.started_at = time.monotonic()
+        self.ready = False
+
+    def log_text_since_start(self) -> str:
+        """What the current (or last) process wrote to its log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.log_offset)
+                return f.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, num_lines: int) -> list[str]:
+        """The last num_lines non-empty lines the current (or last) process wrote."""
+        return [line for line in self.log_text_since_start().splitlines() if line.strip()][-num_lines:]
+
+    def status(self) -> dict[str, object]:
+        alive = self.proc is not None and self.proc.poll() is None
+        return {
+            "name": self.name,
+            "pid": self.proc.pid if self.proc else None,
+            "state": "running" if alive else "restarting",
+            "restarts": self.restarts,
+            "uptime_s": round(time.monotonic() - self.started_at, 1) if alive else 0.0,
+            "log": str(self.log_path),
+        }
+
+
+class Supervisor:
+    def __init__(
+        self, children: list[Child], run_dir: Path, env: dict[str, str], grace: float, mps: Mps | None = None,
+        gpus: dict[str, str] | None = None, policy: RestartPolicy = RestartPolicy(),
+    ) -> None:  # fmt: skip
+        self.gpus = gpus or {}
+        """Child name -> CUDA_VISIBLE_DEVICES (router/placement.py placement())."""
+        self.children = children
+        self.grace = grace
+        """The router's --grace: how long its streams may take to finish on SIGTERM."""
+        self.run_dir = run_dir
+        self.env = env
+        self.mps = mps
+        self.policy = policy
+        self.stopping = False
+        self.ready = False
+        """Whether the cluster served once (the router's ready line; without a router, every worker ready)."""
+        self.failure: str | None = None
+        for child in children:
+            child.backoff = policy.first_backoff_s
+
+    def run(self, address: str) -> int:
+        """Start every child and keep them up until SIGTERM / SIGINT or a child that cannot start; exit code."""
+        handlers = {sig: signal.signal(sig, self._stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            if self.mps is not None and not self.mps.start(self.env):
+                self.mps = None
+            for child in self.children:
+                child.start(self._env_for(child))
+            while not self.stopping:
+                self._check_ready(address)
+                self._reap_and_restart()
+                self._write_status()
+                time.sleep(self.policy.poll_s)
+            self._shutdown()
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        if self.failure is not None:
+            print(self.failure, file=sys.stderr, flush=True)
+            return 1
+        return 0
+
+    def _reap_and_restart(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is not None:
+                self._on_exit(child, now)
+            if self.stopping:
+                return
+            if child.proc is None and now >= child.next_start:
+                child.restarts += 1
+                child.start(self._env_for(child))
+
+    def _on_exit(self, child: Child, now: float) -> None:
+        assert child.proc is not None
+        code = child.proc.returncode
+        # NOTE: a child may become ready and exit between two looks: its ready line or heartbeat is still there
+        ready = self._update_ready(child)
+        child.proc = None
+        if ready:
+            if now - child.started_at > self.policy.stable_after_s:
+                child.backoff = self.policy.first_backoff_s
+            print(f"pdserve: {child.name} exited ({code}); restarting in {child.backoff:.1f}s", file=sys.stderr)
+            self._schedule_restart(child, now)
+            return
+        child.failed_starts += 1
+        tail = child.log_tail(self.policy.log_tail_lines) or ["(no output)"]
+        print(f"pdserve: {child.name} exited ({code}) before it was ready; the end of its log {child.log_path}:",
+              *(TAIL_PREFIX + line for line in tail), sep="\n", file=sys.stderr, flush=True)  # fmt: skip
+        if code == STARTUP_ERROR_EXIT and not self.ready:  # NOTE: a bad flag or model: restarting cannot help
+            self._give_up(f"pdserve: {child.name} failed to start: {tail[-1].strip()}; see {child.log_path}")
+        elif child.failed_starts >= self.policy.max_failed_starts:
+            times = f"{child.failed_starts} times in a row"
+            self._give_up(f"pdserve: {child.name} failed to start {times}; see {child.log_path}")
+        else:
+            print(f"pdserve: {child.name} restarting in {child.backoff:.1f}s", file=sys.stderr, flush=True)
+            self._schedule_restart(child, now)
+
+    def _schedule_restart(self, child: Child, now: float) -> None:
+        child.next_start = now + child.backoff
+        child.backoff = min(child.backoff * 2, self.policy.max_backoff_s)
+
+    def _give_up(self, failure: str) -> None:
+        self.failure = failure
+        self.stopping = True
+
+    def _env_for(self, child: Child) -> dict[str, str]:
+        env = {**self.env, RESTARTS_ENV: str(child.restarts)}
+        if child.name in self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[child.name]
+        return {**env, **self.mps.role_env(child.role)} if self.mps else env
+
+    def _check_ready(self, address: str) -> None:
+        for child in self.children:
+            if child.proc is not None:
+                self._update_ready(child)
+        if self.ready:
+            return
+        router = next((c for c in self.children if c.name == "router"), None)
+        if router is not None and router.ready:
+            self.ready = True
+            print(f"pdserve cluster ready on {address} (run dir {self.run_dir})", flush=True)
+        elif router is None and all(c.ready for c in self.children):  # NOTE: a host of workers only (--roles)
+            self.ready = True
+            names = ", ".join(c.name for c in self.children)
+            print(f"pdserve workers ready: {names} (run dir {self.run_dir})", flush=True)
+
+    def _update_ready(self, child: Child) -> bool:
+        """Whether child's current process became ready; when it just did, its failed starts count from 0 again."""
+        if not child.ready and self._is_ready(child):
+            child.ready, child.failed_starts = True, 0
+        return child.ready
+
+    def _is_ready(self, child: Child) -> bool:
+        """Whether child's current process became ready (it may have exited since)."""
+        if child.name == "router":
+            # NOTE: logs are appended to: only what this process wrote counts (a reused run dir holds old lines)
+            return READY_MARK in child.log_text_since_start()
+        return child.proc is not None and self._heartbeat_pid(child) == child.proc.pid
+
+    def _heartbeat_pid(self, child: Child) -> int | None:
+        """The pid in child's latest heartbeat stats (None before the first)."""
+        try:
+            return int(json.loads((self.run_dir / "stats" / f"{child.name}.json").read_text())["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _write_status(self) -> None:
+        status = {"pid": os.getpid(), "ready": self.ready, "roles": [c.status() for c in self.children]}
+        tmp = self.run_dir / "status.json.tmp"
+        tmp.write_text(json.dumps(status, indent=1))
+        tmp.replace(self.run_dir / "status.json")
+
+    def _stop(self, *_: object) -> None:
+        self.stopping = True
+
+    def _shutdown(self) -> None:
+        # NOTE: the router first: it refuses new calls and lets streams in flight finish within its grace,
+        # which needs the workers still up; only then are the workers stopped.
+        router = [c for c in self.children if c.name == "router"]
+        workers = [c for c in self.children if c.name != "router"]
+        terminate(router, self.grace + STOP_MARGIN_S)
+        terminate(workers, STOP_MARGIN_S)
+        if self.mps is not None:
+            self.mps.stop(self.env)
+        print("pdserve: stopped", file=sys.stderr, flush=True)
+
+
+def terminate(children: list[Child], timeout: float) -> None:
+    """SIGTERM the live ones, wait up to `timeout` seconds for all of them, then kill what is left."""
+    procs = [c.proc for c in children if c.proc is not None and c.proc.poll() is None]
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,128 @@
+"""pdserve-cluster's command line (router/cluster_cli.py, router/cluster_flags.py): every flag of the router's and
+the workers' parsers can be set through the launcher and lands in exactly the processes that define it; a flag
+no process knows, a flag the launcher sets itself or a bad value stops it at once, naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from pdserve.router import cluster_cli
+from pdserve.router.cluster_flags import CHILD_CLIS, ArgvError, ChildCli
+from pdserve.router.supervisor import Child
+
+LAUNCHER_SET = {"router": set(), "worker": {"--worker-id", "--num-prefill", "--num-decode"}}
+"""Child flags the launcher writes itself that are not its own flags: per child, or its own under other names."""
+
+
+def plan(tmp_path: Path, *flags: str) -> list[Child]:
+    """The children of `pdserve-cluster --model m --prefill 2 --decode 2 FLAGS`, started nowhere."""
+    argv = ["--model", "m", "--prefill", "2", "--decode", "2", *flags]
+    args, rest = cluster_cli.parse_args(cluster_cli.build_parser(), argv)
+    return cluster_cli.plan_cluster(args, rest, tmp_path).children
+
+
+def launcher_options() -> set[str]:
+    return {s for action in cluster_cli.build_parser()._actions for s in action.option_strings}
+
+
+def sample(action: argparse.Action) -> list[str]:
+    """A valid value of a flag other than its default (none for a switch)."""
+    if action.nargs == 0:
+        return []
+    if action.choices:
+        return [str(list(action.choices)[-1])]
+    if action.type is int:
+        return ["3"]
+    return ["0.5"] if action.type is float else ["x"]
+
+
+def holds(argv: list[str], tokens: list[str]) -> bool:
+    """Whether tokens (a flag and its value) stand together in argv."""
+    return any(argv[i : i + len(tokens)] == tokens for i in range(len(argv)))
+
+
+def kind(child: Child) -> str:
+    return cluster_cli.cli_of(child).kind
+
+
+@pytest.mark.parametrize("cli", CHILD_CLIS, ids=lambda cli: cli.kind)
+def test_every_child_flag_is_owned_set_or_routed_by_the_launcher(cli: ChildCli, tmp_path: Path) -> None:
+    owned = launcher_options()
+    defaults = plan(tmp_path)
+    for flag, action in cli.options().items():
+        receivers = [c for c in defaults if kind(c) == cli.kind]
+        if flag in owned or flag in LAUNCHER_SET[cli.kind]:  # the launcher writes it for each such child
+            assert all(flag in c.argv for c in receivers), (flag, [c.name for c in receivers if flag not in c.argv])
+            if flag not in owned:
+                with pytest.raises(ArgvError, match=f"argument {flag}: set by pdserve-cluster"):
+                    plan(tmp_path, flag, *sample(action))
+            continue
+        value = sample(action)
+        children = plan(tmp_path, flag, *value)
+        defined_by = {c.kind for c in CHILD_CLIS if flag in c.options()}
+        for child in children:
+            if kind(child) in defined_by:
+                assert child.argv.count(flag) == 1 and holds(child.argv, [flag, *value]), (flag, child.name)
+            else:
+                assert flag not in child.argv, (flag, child.name)
+
+
+def test_the_launcher_sets_only_the_flags_it_names(tmp_path: Path) -> None:
+    """LAUNCHER_SET above is what plan_cluster refuses: a child flag the launcher starts writing shows here."""
+    owned = launcher_options()
+    for cli in CHILD_CLIS:
+        written = {t for c in plan(tmp_path) if kind(c) == cli.kind for t in c.argv if t in cli.options()}
+        assert written - owned == LAUNCHER_SET[cli.kind]
+
+
+def test_router_flags_reach_the_router_only(tmp_path: Path) -> None:
+    flags = ["--max-queue-skew", "4", "--local-prefill-threshold=32", "--heartbeat-timeout", "1.5", "--grace", "9"]
+    children = plan(tmp_path, *flags, "--conditional-disagg", "--num-blocks", "64")
+    router, workers = children[0], children[1:]
+    assert router.argv[-8:] == [*flags, "--conditional-disagg"]
+    assert all(w.argv[-2:] == ["--num-blocks", "64"] and "--grace" not in w.argv for w in workers)
+
+
+def test_the_router_grace_is_the_supervisors_stop_timeout(tmp_path: Path) -> None:
+    args, rest = cluster_cli.parse_args(cluster_cli.build_parser(), ["--model", "m", "--grace", "7.5"])
+    assert cluster_cli.plan_cluster(args, rest, tmp_path).grace == 7.5
+    args, rest = cluster_cli.parse_args(cluster_cli.build_parser(), ["--model", "m"])
+    assert cluster_cli.plan_cluster(args, rest, tmp_path).grace == 5.0
+
+
+def test_colocated_and_roles_shape_the_children(tmp_path: Path) -> None:
+    assert [c.name for c in plan(tmp_path, "--colocated")] == ["router", "decode-0", "decode-1"]
+    assert [c.name for c in plan(tmp_path, "--roles", "prefill-1,decode-0")] == ["prefill-1", "decode-0"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--max-q", "3"], "unrecognized arguments: --max-q"),  # no abbreviations: a prefix reaches nobody
+        (["--num-blocks", "64", "stray"], "unrecognized arguments: stray"),
+        (["--worker-id", "3"], "argument --worker-id: set by pdserve-cluster"),
+        (["--num-decode", "2"], "argument --num-decode: set by pdserve-cluster"),
+        (["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
+        (["--num-blocks", "many"], "argument --num-blocks: invalid int value"),
+        (["--num-blocks", "1"], "--num-blocks >= 2"),
+        (["--heartbeat-timeout", "-1"], "--heartbeat-timeout must be > 0"),
+        (["--routing", "random"], "argument --routing: invalid choice"),
+        (["--grace"], "argument --grace: expected a value"),
+        (["--roles", "decode-7"], "--roles: unknown roles ['decode-7']"),
+        (["--mps-split", "half"], "--mps-split 'half'"),
+    ],
+)
+def test_a_bad_command_line_stops_the_launcher_before_anything_starts(
+    flags: list[str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        cluster_cli.main(["--model", "m", "--run-dir", str(run_dir), *flags])
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("pdserve-cluster: error: ") and needle in lines[-1], lines[-1]
+    assert not run_dir.exists(), "the launcher made its run dir before it checked the command line"
