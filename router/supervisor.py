@@ -211,7 +211,8 @@ class Supervisor:
         router = next((c for c in self.children if c.name == "router"), None)
         if router is not None and router.ready:
             self.ready = True
-            print(f"pdserve cluster ready on {address} (run dir {self.run_dir})", flush=True)
+            served = _served_address(router.log_text_since_start()) or address  # NOTE: --port 0 picks a free port
+            print(f"pdserve cluster ready on {served} (run dir {self.run_dir})", flush=True)
         elif router is None and all(c.ready for c in self.children):  # NOTE: a host of workers only (--roles)
             self.ready = True
             names = ", ".join(c.name for c in self.children)
@@ -227,7 +228,7 @@ class Supervisor:
         """Whether child's current process became ready (it may have exited since)."""
         if child.name == "router":
             # NOTE: logs are appended to: only what this process wrote counts (a reused run dir holds old lines)
-            return READY_MARK in child.log_text_since_start()
+            return _served_address(child.log_text_since_start()) is not None
         return child.proc is not None and self._heartbeat_pid(child) == child.proc.pid
 
     def _heartbeat_pid(self, child: Child) -> int | None:
@@ -270,3 +271,11 @@ def terminate(children: list[Child], timeout: float) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _served_address(router_log: str) -> str | None:
+    """The address in the router's ready line (core/lifecycle.py READY_LINE), None before it."""
+    for line in router_log.splitlines():
+        if line.startswith(READY_MARK):
+            return line[len(READY_MARK) :].strip() or None
+    return None
