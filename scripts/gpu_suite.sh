@@ -6,6 +6,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
+if ! python3 -c "import pdserve.core" 2>/dev/null; then
+  links=$(mktemp -d)  # a GPU host without pdserve installed
+  bash scripts/package_links.sh "$links"
+  export PYTHONPATH="$links${PYTHONPATH:+:$PYTHONPATH}"
+fi
 stages=${*:-tests bench}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 status=0

@@ -8,10 +8,6 @@ bash scripts/setup_env.sh test
 . .venv/bin/activate
 ruff check .
 ruff format --check .
-# mypy reads pdserve through links named as the installed package (pyproject.toml [tool.mypy])
-mkdir -p build/typecheck/pdserve
-for pkg in core kernels kvtransfer router prefill_worker decode_worker proto; do
-  ln -sfn "../../../$pkg" "build/typecheck/pdserve/$pkg"
-done
+bash scripts/package_links.sh build/typecheck  # what mypy reads (pyproject.toml [tool.mypy])
 mypy
 exec python -m pytest -q "$@"

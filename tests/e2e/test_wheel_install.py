@@ -97,4 +97,4 @@ def test_entry_points_serve_answer_and_benchmark(venv: Path, cluster: str, tmp_p
     done = run_in(venv, bench, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["completed"] == 4
+    assert report["metrics"]["completed"] == 4
