@@ -5,6 +5,8 @@ system prompt) are shared from its prefix cache instead of copied; only the rest
 full blocks join the prefix cache once their pull is enqueued.
 NOTE: a pull only enqueues the copy (kvtransfer.base): the request decodes at once, its lease is released
 once the copy is done (polled every loop iteration), or at once when the pull failed or copied nothing.
+A handoff from a prefill worker whose pool is not open yet waits, leased and holding none of our blocks, for
+the handshake with that pool, which runs in the background (core.handshake) while everything else decodes.
 
 The router may also send GenerateCmd here, in any cluster: always without prefill workers (colocated mode,
 the baseline of the benchmarks), and with them when this worker already holds most of the prompt and the
@@ -27,6 +29,7 @@ from pdserve.core import ipc
 from pdserve.core.config import EngineConfig
 from pdserve.core.engine import Adoption, Engine
 from pdserve.core.errors import InvalidRequestError
+from pdserve.core.handshake import HandshakeClient, HandshakeResult
 from pdserve.core.messages import (
     AbortCmd,
     GenerateCmd,
@@ -40,8 +43,6 @@ from pdserve.core.messages import (
     Timings,
     TokenBatchEvent,
     TokenEvent,
-    decode,
-    encode,
     sampling_to_params,
     unpack_block_hashes,
     unpack_token_ids,
@@ -53,7 +54,8 @@ from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool
 
 log = logging.getLogger(__name__)
-HANDSHAKE_TIMEOUT_MS = 10_000
+HANDSHAKE_TIMEOUT_S = 10.0
+"""How long handoffs wait for a prefill worker's handshake reply before they fail (the router migrates them)."""
 RECENT_ABORTS = 4096
 CLOSE_LINGER_MS = 100
 """How long the releases sent at shutdown may take to leave."""
@@ -113,6 +115,8 @@ class DecodeWorker(WorkerBase):
         ]
         self.peers: dict[int, str] = {}  # prefill worker -> pool_id opened
         self.waiting: deque[HandoffCmd] = deque()  # handoffs that found no room yet (still leased)
+        self.handshakes: HandshakeClient = HandshakeClient(self.ctx, self.poller, HANDSHAKE_TIMEOUT_S)
+        self.held: dict[int, list[HandoffCmd]] = {}  # prefill worker -> its handoffs waiting for our handshake
         self.releasing: list[_PendingRelease] = []  # adopted handoffs whose copies are in flight (still leased)
         self.num_aborted: int = 0  # requests aborted here: running, waiting, or a handoff that lost the race
         self.aborted: OrderedDict[str, None] = OrderedDict()  # recent aborts, for handoffs that race them
@@ -135,7 +139,7 @@ class DecodeWorker(WorkerBase):
             "handoff_bytes": self.num_blocks_pulled * self.layout.nbytes // self.layout.num_blocks,
             "aborted": self.num_aborted,
             "blocks_shared": self.num_blocks_shared,
-            "handoffs_waiting": len(self.waiting),
+            "handoffs_waiting": len(self.waiting) + sum(map(len, self.held.values())),
             "releases_pending": len(self.releasing),
         }
 
@@ -178,10 +182,11 @@ class DecodeWorker(WorkerBase):
     def _abort(self, request_id: str) -> None:
         known = self.engine.abort(request_id) is not None
         self.timings.pop(request_id, None)
-        for cmd in [c for c in self.waiting if c.request_id == request_id]:
-            self.waiting.remove(cmd)
-            self._release(cmd)
-            known = True
+        for queue in (self.waiting, *self.held.values()):
+            for cmd in [c for c in queue if c.request_id == request_id]:
+                queue.remove(cmd)
+                self._release(cmd)
+                known = True
         self.num_aborted += known
         if known:
             log.info(
@@ -192,8 +197,12 @@ class DecodeWorker(WorkerBase):
         while len(self.aborted) > RECENT_ABORTS:
             self.aborted.popitem(last=False)
 
+    def handle_socket(self, sock: zmq.Socket) -> None:
+        self._finish_handshakes()  # NOTE: a handshake reply woke the loop (HandshakeClient's sockets)
+
     def after_step(self) -> None:
         self._release_copied()
+        self._finish_handshakes()
         self._admit_waiting()
 
     def has_pending_work(self) -> bool:
@@ -220,6 +229,10 @@ class DecodeWorker(WorkerBase):
                 self.num_aborted += 1
                 self.waiting.popleft()
                 self._release(cmd)
+                continue
+            if self.peers.get(cmd.prefill_worker) != cmd.pool_id:
+                self.waiting.popleft()
+                self._hold(cmd)
                 continue
             try:
                 adopted = self._adopt(cmd)
@@ -250,9 +263,7 @@ class DecodeWorker(WorkerBase):
         except Exception as exc:
             log.exception("KV pull from prefill worker %d failed", cmd.prefill_worker)
             self.engine.abort(cmd.request_id)  # NOTE: its blocks were never cached, so no hash keeps garbage
-            ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "UNAVAILABLE", f"KV transfer failed: {exc}"))
-            if not isinstance(exc, StalePoolError):  # NOTE: its lease id may name another lease of the new pool
-                self._release(cmd)
+            self._fail_transfer(cmd, exc)
             return True
         self.engine.cache_adopted(cmd.request_id)
         log.info(
@@ -271,11 +282,17 @@ class DecodeWorker(WorkerBase):
             self.releasing.append(_PendingRelease(handle, cmd))
         return True
 
+    def _fail_transfer(self, cmd: HandoffCmd, exc: Exception) -> None:
+        """cmd's blocks cannot come here: the router migrates the request; its lease goes back unless stale."""
+        ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "UNAVAILABLE", f"KV transfer failed: {exc}"))
+        if not isinstance(exc, StalePoolError):  # NOTE: its lease id may name another lease of the new pool
+            self._release(cmd)
+
     def _pull(self, cmd: HandoffCmd, dst: Adoption) -> PullHandle:
-        """Enqueue the copy of the blocks of cmd we do not hold into dst (none: no handshake, a done handle)."""
+        """Enqueue the copy of the blocks of cmd we do not hold into dst (none: a done handle). NOTE: admitted
+        only once the handshake with cmd's pool is done (_admit_waiting)."""
         if not dst.dst:
             return PullHandle()
-        self._ensure_peer(cmd.prefill_worker, cmd.pool_id)
         return self.sink_of[cmd.prefill_worker].pull(cmd.prefill_worker, dst.sources(cmd.block_ids), dst.dst)
 
     def _release(self, cmd: HandoffCmd, wait_ms: int = 200) -> None:
@@ -292,30 +309,62 @@ class DecodeWorker(WorkerBase):
                 continue
             self._release(pending.cmd, wait_ms=CLOSE_SEND_WAIT_MS)
         self.releasing.clear()
+        self.handshakes.close()
         for sock in self.to_prefill:
             sock.close(linger=CLOSE_LINGER_MS)
         super().close()
 
-    def _ensure_peer(self, prefill_worker: int, pool_id: str) -> None:
-        """Handshake with a prefill worker once per pool (again after it restarted)."""
-        if self.peers.get(prefill_worker) == pool_id:
+    # --- handshakes: in the background; only the handoffs from that prefill worker wait --------------------
+    def _hold(self, cmd: HandoffCmd) -> None:
+        """Park cmd (still leased, no blocks of ours yet) until the handshake with its pool is done; start that
+        handshake (once per pool: again after the prefill worker restarted) unless it is in flight."""
+        prefill_worker = cmd.prefill_worker
+        self.held.setdefault(prefill_worker, []).append(cmd)
+        if self.handshakes.pending(prefill_worker):
             return
         old = self.sink_of.pop(prefill_worker, None)
         if old is not None:
             old.close(prefill_worker)
         self.peers.pop(prefill_worker, None)
-        reply = self._handshake(prefill_worker)
+        addr = ipc.handshake_addr(self.run_dir, prefill_worker)
+        self.handshakes.start(prefill_worker, addr, HandshakeCmd(self.worker_id, self.layout.fingerprint()))
+
+    def _finish_handshakes(self) -> None:
+        """Open the pool of each handshake that finished and queue its held handoffs again (at the front: they
+        came first); fail them (the router migrates them) when the handshake or the open failed."""
+        for result in self.handshakes.collect():
+            held = self.held.pop(result.peer, [])
+            try:
+                pool_id = self._open_peer(result)
+            except Exception as exc:
+                log.error("handshake with prefill worker %d failed: %s", result.peer, exc)
+                for cmd in held:
+                    self._fail_transfer(cmd, exc)
+                continue
+            ready = []
+            for cmd in held:
+                if cmd.pool_id == pool_id:
+                    ready.append(cmd)
+                else:
+                    stale = f"the handoff names pool {cmd.pool_id!r}; prefill worker {result.peer} has {pool_id!r}"
+                    self._fail_transfer(cmd, StalePoolError(stale))
+            self.waiting.extendleft(reversed(ready))
+
+    def _open_peer(self, result: HandshakeResult) -> str:
+        """Open the sink a handshake's reply describes; the prefill worker's pool id."""
+        reply, prefill_worker = result.reply, result.peer
+        if reply is None:
+            raise KVTransferError(result.error)
+        if not isinstance(reply, HandshakeEvent):
+            raise KVTransferError(f"bad handshake reply {type(reply).__name__}")
         if not reply.ok:
-            raise RuntimeError(f"prefill worker {prefill_worker} refused the handshake: {reply.error}")
+            raise KVTransferError(f"prefill worker {prefill_worker} refused the handshake: {reply.error}")
         sink = self._sink(reply.descriptor.get("transport"), prefill_worker)
         sink.open(prefill_worker, reply.descriptor)  # NOTE: checks the descriptor's layout against ours
         self.sink_of[prefill_worker] = sink
         self.peers[prefill_worker] = reply.pool_id
         log.info("KV transport %s with prefill worker %d", sink.transport, prefill_worker)
-        if reply.pool_id != pool_id:
-            raise StalePoolError(
-                f"the handoff names pool {pool_id!r}; prefill worker {prefill_worker} has {reply.pool_id!r}"
-            )
+        return reply.pool_id
 
     def _sink(self, kind: Any, prefill_worker: int) -> KVTransferSink:
         """The sink of the transport a prefill worker's descriptor names (made on first use)."""
@@ -325,20 +374,6 @@ class DecodeWorker(WorkerBase):
             assert self.kv_pool is not None
             self.sinks[kind] = make_sink(kind, self.kv_pool, self.layout)
         return self.sinks[kind]
-
-    def _handshake(self, prefill_worker: int) -> HandshakeEvent:
-        sock = self.ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, HANDSHAKE_TIMEOUT_MS)
-        sock.connect(ipc.handshake_addr(self.run_dir, prefill_worker))
-        try:
-            sock.send(encode(HandshakeCmd(self.worker_id, self.layout.fingerprint())))
-            reply = decode(sock.recv())
-        finally:
-            sock.close()
-        if not isinstance(reply, HandshakeEvent):
-            raise RuntimeError(f"bad handshake reply {type(reply).__name__}")
-        return reply
 
     def step_engine(self) -> bool:
         events = []

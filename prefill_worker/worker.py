@@ -13,6 +13,7 @@ import zmq
 from pdserve.core import ipc
 from pdserve.core.config import EngineConfig
 from pdserve.core.engine import Engine, RequestOutput
+from pdserve.core.handshake import HandshakeServer
 from pdserve.core.messages import (
     AbortCmd,
     DecodeWorkerLostCmd,
@@ -27,7 +28,6 @@ from pdserve.core.messages import (
     Timings,
     TokenEvent,
     decode,
-    encode,
     pack_block_hashes,
     pack_token_ids,
     params_to_sampling,
@@ -78,22 +78,24 @@ class PrefillWorker(WorkerBase):
         self.warm_up()
         self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
         assert self.kv_pool is not None
-        # NOTE: a forced transport is opened now (a wrong choice fails at start); auto opens one per kind on demand
-        self.sources: dict[str, KVTransferSource] = {}
-        if transport != AUTO:
-            self.sources[transport] = make_source(transport, self.kv_pool, self.host)
         log.info("KV transport %s, %d blocks of %d tokens", transport, self.layout.num_blocks, self.layout.block_size)
         self.leases: LeaseTable = LeaseTable()
-        self.handshake: zmq.Socket = self.ctx.socket(zmq.REP)
-        self.handshake.setsockopt(zmq.LINGER, 0)
-        self.handshake.bind(ipc.handshake_addr(run_dir, worker_id))
-        self.poller.register(self.handshake, zmq.POLLIN)
         self.to_decode: list[zmq.Socket] = [
             ipc.connect_push(self.ctx, ipc.decode_addr(run_dir, j)) for j in range(num_decode)
         ]
         self.pending: dict[str, _Pending] = {}
         self.num_aborted: int = 0  # requests finished with reason abort here, before their handoff
         self.num_handoffs: int = 0  # HandoffCmds sent
+        # NOTE: every source a decode worker may ask for is opened now, so a handshake is answered from data
+        # fixed here (its own thread: a long step must not hold it up); the pool and layout exist by now.
+        self.sources: dict[str, KVTransferSource] = {}
+        self.source_errors: dict[str, str] = {}  # transport -> why it cannot be opened (refused in handshakes)
+        self.pair_kinds: list[str] = [self._pair_kind(j) for j in range(num_decode)]
+        self._open_sources(transport)
+        self.fingerprint: dict[str, Any] = self.layout.fingerprint()
+        self.handshakes: HandshakeServer = HandshakeServer(
+            self.ctx, ipc.handshake_addr(run_dir, worker_id), self._answer_handshake, name="prefill-handshake"
+        )
 
     def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
         layout = KVLayout.from_engine_config(self.cfg, num_blocks)
@@ -133,9 +135,29 @@ class PrefillWorker(WorkerBase):
         if self.add_request(cmd):
             self.pending[cmd.request_id] = _Pending(cmd.decode_worker, cmd.timings.arrival, time.time())
 
-    def handle_socket(self, sock: zmq.Socket) -> None:
-        # NOTE: REP answers only once the whole request is read: every part, or the reply fails (EFSM)
-        frames = sock.recv_multipart()
+    # --- handshakes (answered on the HandshakeServer's thread: read only what __init__ fixed) ---------------
+    def _pair_kind(self, decode_worker: int) -> str:
+        assert self.kv_pool is not None
+        same_host = ipc.host_of(self.run_dir, "decode", decode_worker) == self.host
+        return pair_transport(self.transport, same_host, self.kv_pool.device)
+
+    def _open_sources(self, transport: str) -> None:
+        """A forced transport must open (a wrong choice fails at start); under auto, a kind that cannot be
+        opened is refused in the handshakes of the decode workers paired with it."""
+        assert self.kv_pool is not None
+        for kind in dict.fromkeys([transport] if transport != AUTO else self.pair_kinds):
+            try:
+                self.sources[kind] = make_source(kind, self.kv_pool, self.host)
+            except (RuntimeError, ValueError, OSError) as exc:
+                if transport != AUTO:
+                    raise
+                self.source_errors[kind] = f"cannot open the {kind} KV transport: {exc}"
+                log.error("%s", self.source_errors[kind])
+                continue
+            workers = [j for j, k in enumerate(self.pair_kinds) if k == kind]
+            log.info("KV transport %s opened (decode workers %s)", kind, workers)
+
+    def _answer_handshake(self, frames: list[bytes]) -> HandshakeEvent:
         try:
             if len(frames) != 1:
                 raise MessageError(f"a {len(frames)}-part handshake (expected 1)")
@@ -144,27 +166,20 @@ class PrefillWorker(WorkerBase):
                 raise MessageError(f"expected a handshake, got {type(msg).__name__}")
             if not isinstance(msg.fingerprint, dict):
                 raise MessageError(f"fingerprint is {type(msg.fingerprint).__name__}, not a mapping")
-            check_compatible(self.layout.fingerprint(), msg.fingerprint)
+            check_compatible(self.fingerprint, msg.fingerprint)
             descriptor = self._source_for(msg.decode_worker).descriptor()
-            reply = HandshakeEvent(ok=True, descriptor=descriptor, pool_id=self.incarnation)
+            return HandshakeEvent(ok=True, descriptor=descriptor, pool_id=self.incarnation)
         except (MessageError, LayoutMismatchError, KVTransferError) as exc:
             log.error("refused a handshake: %s", exc)
-            reply = HandshakeEvent(ok=False, error=str(exc))
-        sock.send(encode(reply))
+            return HandshakeEvent(ok=False, error=str(exc))
 
     def _source_for(self, decode_worker: Any) -> KVTransferSource:
-        """The source of the transport this worker uses with decode_worker (opened on first use)."""
-        if type(decode_worker) is not int or not 0 <= decode_worker < len(self.to_decode):
+        """The source of the transport this worker uses with decode_worker."""
+        if type(decode_worker) is not int or not 0 <= decode_worker < len(self.pair_kinds):
             raise MessageError(f"a handshake from unknown decode worker {decode_worker!r}")
-        assert self.kv_pool is not None
-        same_host = ipc.host_of(self.run_dir, "decode", decode_worker) == self.host
-        kind = pair_transport(self.transport, same_host, self.kv_pool.device)
-        if kind not in self.sources:
-            try:
-                self.sources[kind] = make_source(kind, self.kv_pool, self.host)
-            except (RuntimeError, ValueError, OSError) as exc:  # NOTE: refused in the reply; the REP must answer
-                raise KVTransferError(f"cannot open the {kind} KV transport: {exc}") from None
-            log.info("KV transport %s opened (first for decode worker %d)", kind, decode_worker)
+        kind = self.pair_kinds[decode_worker]
+        if kind in self.source_errors:
+            raise KVTransferError(self.source_errors[kind])
         return self.sources[kind]
 
     # --- engine ---------------------------------------------------------------------------------------
@@ -236,6 +251,7 @@ class PrefillWorker(WorkerBase):
             )
 
     def close(self) -> None:
+        self.handshakes.close()  # NOTE: before the context goes: its thread owns a socket of it
         super().close()
         for source in self.sources.values():
             source.close()
