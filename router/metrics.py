@@ -1,9 +1,10 @@
 """Prometheus metrics of the router (prometheus_client), served over HTTP on a loopback port.
 
 Per request, as the client sees it: time to first token (arrival at the router to the first token leaving
-it: queue + prefill + handoff + the first decode step), inter-token latency, end-to-end latency, and one
-count per finished request by finish reason and gRPC status. Plus the admission queue, requests in flight,
-workers up per role and request migrations, read at scrape time. vLLM's metric names, Prometheus style.
+it: queue + prefill + handoff + the first decode step), inter-token latency, end-to-end latency, one count
+per call by its outcome (router/outcome.py) and one per successful stream by finish reason. Plus the
+admission queue, requests in flight, workers up per role and request migrations, read at scrape time.
+vLLM's metric names, Prometheus style.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from pdserve.core.gc_pauses import GcPauses
 from pdserve.core.metrics import gc_metrics, serve_registry
+from pdserve.router.outcome import OK, OUTCOMES
 from pdserve.router.workers import WorkerHub
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -69,9 +71,13 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS_S, registry=r,
         )  # fmt: skip
         self.requests = Counter(
-            "pdserve_requests", "Requests ended, by finish reason and gRPC status.", ["finish_reason", "status"],
-            registry=r,
-        )  # fmt: skip
+            "pdserve_requests", "Calls ended, one outcome each (router/outcome.py).", ["outcome"], registry=r
+        )
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)  # NOTE: every outcome is scraped from the start, 0 until it happens
+        self.finished = Counter(
+            "pdserve_request_success", "Streams that ended OK, by finish reason.", ["finish_reason"], registry=r
+        )
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
         self.generation_tokens = Counter("pdserve_generation_tokens", "Tokens streamed to clients.", registry=r)
 
@@ -106,6 +112,9 @@ class StreamClock:
                 m.itl.observe(gap)
         self.last = now
 
-    def ended(self, finish_reason: str, status: str, now: float) -> None:
+    def ended(self, outcome: str, finish_reason: str, now: float) -> None:
+        """The call ended at `now`; finish_reason counts only for an "ok" outcome."""
         self.metrics.e2e.observe(now - self.arrival)
-        self.metrics.requests.labels(finish_reason, status).inc()
+        self.metrics.requests.labels(outcome).inc()
+        if outcome == OK:
+            self.metrics.finished.labels(finish_reason).inc()

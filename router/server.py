@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,20 +27,24 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import NoWorkerError
 from pdserve.router.metrics import RouterMetrics, StreamClock
 from pdserve.router.model_info import ModelSpec
+from pdserve.router.outcome import CURRENT_CALL, CallAccounting, CallEnd
 from pdserve.router.requests import DuplicateRequestError, TrackedRequest, WorkerLost
-from pdserve.router.stream import FINISH_REASONS, ResponseBuilder, TokenReorderer, merge
+from pdserve.router.stream import ResponseBuilder, TokenReorderer, merge
 from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.validation import RequestValidator, ValidationError
 from pdserve.router.workers import WorkerHub
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+GENERATE_METHOD = f"/{SERVICE_NAME}/Generate"
 REFUSALS: dict[type[Exception], grpc.StatusCode] = {
     ValidationError: grpc.StatusCode.INVALID_ARGUMENT,
     DuplicateRequestError: grpc.StatusCode.ALREADY_EXISTS,
     NoWorkerError: grpc.StatusCode.UNAVAILABLE,
     QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+"""What refuses a request before the workers have it, and the status the call ends with."""
+REFUSED = tuple(REFUSALS)
 PENDING_CALL_LIMITS = [
     ("grpc.server.max_pending_requests", 16384),
     ("grpc.server.max_pending_requests_hard_limit", 32768),
@@ -53,18 +58,16 @@ with the heartbeat timeout (2 s) a stream that cannot move ends UNAVAILABLE with
 MIGRATION_POLL_S = 0.05
 
 
-FINISH_NAMES = {code: name for name, code in FINISH_REASONS.items()}
+class Admitted(NamedTuple):
+    """A request the workers have, and the builder of its responses."""
 
-
-@dataclasses.dataclass
-class StreamEnd:
-    """How a stream ended, for the metrics: a stream closed before it finished was cancelled by its client."""
-
-    status: str = "CANCELLED"
+    req: TrackedRequest
+    builder: ResponseBuilder
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    """Validates, dispatches through the WorkerHub and streams each request's tokens back."""
+    """Validates, dispatches through the WorkerHub and streams each request's tokens back. Its server must
+    carry accounting() as an interceptor: that opens the CallEnd Generate fills in, and records it."""
 
     def __init__(
         self, model: ModelSpec, tokenizer: RouterTokenizer, hub: WorkerHub, block_size: int | None,
@@ -87,50 +90,60 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             info.block_size = self.block_size
         return info
 
+    def accounting(self) -> CallAccounting:
+        """The interceptor that opens and records every Generate call's CallEnd (install it on the server)."""
+        return CallAccounting(GENERATE_METHOD, lambda: CallEnd(StreamClock(self.metrics, time.time())), self._record)
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        arrival = time.time()
-        request_id = request.request_id or uuid.uuid4().hex
-        end = StreamEnd()
-        clock = StreamClock(self.metrics, arrival)
+        call = CURRENT_CALL.get()
+        call.request_id, call.context = request.request_id or uuid.uuid4().hex, context
         try:
-            # NOTE: tokenizing a long text or rendering a template must not stall the other streams; token ids
-            # are only range-checked, cheaper than the hop to a thread (the exact-hit TTFT path).
-            if request.WhichOneof("input") == "token_ids":
-                valid = self.validator.validate(request)
-            else:
-                valid = await asyncio.to_thread(self.validator.validate, request)
-            req = await self.hub.admit(request_id, valid.token_ids, valid.sampling, arrival)
-        except (ValidationError, DuplicateRequestError, NoWorkerError, QueueFullError) as exc:
-            clock.ended("none", REFUSALS[type(exc)].name, time.time())
-            log.info("request %s refused %s: %s", request_id, REFUSALS[type(exc)].name, exc)
-            await context.abort(REFUSALS[type(exc)], str(exc))
-            return
-        self.metrics.prompt_tokens.inc(len(valid.token_ids))
-        builder = ResponseBuilder(request_id, valid.token_ids, valid.sampling, valid.stop, self.tokenizer, arrival)
-        try:
-            async for response in self._stream(req, builder, context, end):
-                clock.sent(len(response.token_ids), time.time())
+            try:
+                req, builder = await self._admit(request, call)
+            except REFUSED as exc:
+                call.end(REFUSALS[type(exc)], str(exc))
+                await context.abort(REFUSALS[type(exc)], str(exc))
+                return
+            async for response in self._stream(req, builder, context, call):
+                call.clock.sent(len(response.token_ids), time.time())
                 yield response
-            end.status = "OK"
+            call.end(grpc.StatusCode.OK)
+        except BaseException as exc:  # NOTE: the client's cancel too: it decides the outcome
+            call.error = exc
+            raise
         finally:
             # NOTE: runs on client cancel, errors and stop strings alike: workers free what they hold.
-            if not builder.worker_finished:
-                self.hub.abort(req)
-            self.hub.release(request_id)
-            reason = FINISH_NAMES.get(builder.finish_reason, "none")
-            now = time.time()
-            clock.ended(reason, end.status, now)
-            log.info(
-                "request %s %s finish=%s prompt=%d cached=%d generated=%d ttft_ms=%.1f e2e_ms=%.1f workers=%s/%s "
-                "attempts=%d", request_id, end.status, reason, builder.num_prompt_tokens, builder.num_cached_tokens,
-                builder.num_generated, clock.ttft_ms(), (now - arrival) * 1e3, req.prefill_worker, req.decode_worker,
-                req.attempt + 1,
-            )  # fmt: skip
+            if call.req is not None:
+                if call.builder is None or not call.builder.worker_finished:
+                    self.hub.abort(call.req)
+                self.hub.release(call.request_id)
+
+    async def _admit(self, request: pb.GenerateRequest, call: CallEnd) -> Admitted:
+        """Validate request and hand it to workers (waiting for KV room); call.req is set once they have it."""
+        # NOTE: tokenizing a long text or rendering a template must not stall the other streams; token ids
+        # are only range-checked, cheaper than the hop to a thread (the exact-hit TTFT path).
+        if request.WhichOneof("input") == "token_ids":
+            valid = self.validator.validate(request)
+        else:
+            valid = await asyncio.to_thread(self.validator.validate, request)
+        req = call.req = await self.hub.admit(call.request_id, valid.token_ids, valid.sampling, call.clock.arrival)
+        self.metrics.prompt_tokens.inc(len(valid.token_ids))
+        builder = ResponseBuilder(call.request_id, valid.token_ids, valid.sampling, valid.stop, self.tokenizer,
+                                  call.clock.arrival)  # fmt: skip
+        call.builder = builder
+        return Admitted(req, builder)
+
+    def _record(self, call: CallEnd) -> None:
+        """The one place a call's end is counted and logged: once, when its task is done."""
+        outcome = call.outcome()
+        now = time.time()
+        call.clock.ended(outcome, call.finish_reason, now)
+        log.info("%s", call.describe(outcome, now))
 
     async def _stream(
-        self, req: TrackedRequest, builder: ResponseBuilder, context: grpc.aio.ServicerContext, end: StreamEnd
+        self, req: TrackedRequest, builder: ResponseBuilder, context: grpc.aio.ServicerContext, call: CallEnd
     ) -> AsyncIterator[pb.GenerateResponse]:
         """One response per wake-up: everything that arrived meanwhile goes out together (see stream.merge).
         A lost worker or a failed KV transfer moves the request to other workers (migrate) when it may."""
@@ -147,7 +160,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if isinstance(item, (WorkerLost, RequestErrorEvent)):
                     if await self._migrate(req, item, generated):
                         continue
-                    end.status = _status_code(item.code).name
+                    call.end(_status_code(item.code), item.message)
                     await context.abort(_status_code(item.code), item.message)
                     return
                 new = reorderer.push(item)
@@ -186,11 +199,11 @@ class RouterServer:
         model = ModelSpec.from_dir(cfg.model_dir)
         tokenizer = RouterTokenizer.from_dir(cfg.model_dir)
         self.hub = WorkerHub(cfg)
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *PENDING_CALL_LIMITS]
-        self.server = grpc.aio.server(options=options)
         self.gc_pauses = GcPauses()
         self.metrics = RouterMetrics(self.hub, self.gc_pauses)
         servicer = GenerationServicer(model, tokenizer, self.hub, cfg.block_size, cfg.max_migrations, self.metrics)
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *PENDING_CALL_LIMITS]
+        self.server = grpc.aio.server(options=options, interceptors=[servicer.accounting()])
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -48,13 +48,15 @@ def value(samples: dict, name: str, **labels: str) -> float:
 def test_metrics_of_every_role_match_the_requests_sent(cluster: Cluster) -> None:
     for prompt in PROMPTS:
         assert len(tokens_of(asyncio.run(stream(cluster.address, greedy_request(prompt, MAX_TOKENS))))) == MAX_TOKENS
-    with pytest.raises(grpc.aio.AioRpcError):  # refused: counted with its status, reaches no worker
+    with pytest.raises(grpc.aio.AioRpcError):  # refused: counted as invalid, reaches no worker
         asyncio.run(stream(cluster.address, greedy_request([1, 2], max_tokens=0)))
     wait_blocks_returned(cluster)
     router = scrape(cluster, "router")
     n = len(PROMPTS)
-    assert value(router, "pdserve_requests_total", finish_reason="length", status="OK") == n
-    assert value(router, "pdserve_requests_total", finish_reason="none", status="INVALID_ARGUMENT") == 1
+    assert value(router, "pdserve_requests_total", outcome="ok") == n
+    assert value(router, "pdserve_requests_total", outcome="invalid") == 1
+    assert value(router, "pdserve_requests_total", outcome="cancelled_before_admission") == 0
+    assert value(router, "pdserve_request_success_total", finish_reason="length") == n
     assert value(router, "pdserve_time_to_first_token_seconds_count") == n
     assert value(router, "pdserve_inter_token_latency_seconds_count") == n * (MAX_TOKENS - 1)
     assert value(router, "pdserve_e2e_request_latency_seconds_count") == n + 1
@@ -98,7 +100,7 @@ def test_every_role_logs_a_request_by_its_id(cluster: Cluster) -> None:
     req = greedy_request([21, 22, 23], MAX_TOKENS)
     req.request_id = "log-me-7"
     asyncio.run(stream(cluster.address, req))
-    for role, needle in (("router", "OK finish=length"), ("prefill-0", "prefilled"), ("decode-0", "finished: length")):
+    for role, needle in (("router", "ok finish=length"), ("prefill-0", "prefilled"), ("decode-0", "finished: length")):
         cluster.wait_for(
             lambda r=role, n=needle: any(  # type: ignore[misc]
                 "log-me-7" in line and n in line

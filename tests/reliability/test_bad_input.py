@@ -30,6 +30,8 @@ from tests.reliability.report import record
 WORKER_FLAGS = ("--num-blocks", "256")
 CONTEXT = 512
 """The tiny llama's max_position_embeddings."""
+PROMPT_BYTES = 32 * CONTEXT
+"""The router's limit on a text or chat prompt's UTF-8 bytes (router/limits.py)."""
 INT32 = (-(2**31), 2**31 - 1)
 UINT64_MAX = 2**64 - 1
 CALL_TIMEOUT_S = 30.0
@@ -93,7 +95,21 @@ BAD = [
     ("empty-stop-string", ids(1, stop=["ok", ""]), "stop strings"),
     ("request-id-too-long", pb.GenerateRequest(text="hi", request_id="x" * 257), "request_id"),
     ("request-id-too-long-multibyte", pb.GenerateRequest(text="hi", request_id="é" * 257), "request_id"),
-]
+    # the limits (router/limits.py): each message names the limit
+    ("request-id-over-256-bytes", pb.GenerateRequest(text="hi", request_id="é" * 129),
+     "request_id: 258 bytes, over the limit of 256"),
+    ("max-tokens-past-context", ids(1, 2, max_tokens=CONTEXT - 1),
+     f"prompt (2 tokens) + max_tokens ({CONTEXT - 1}) exceeds the model's context length ({CONTEXT})"),
+    ("max-tokens-int32-max", ids(1, max_tokens=INT32[1]), f"exceeds the model's context length ({CONTEXT})"),
+    ("token-ids-far-past-context", ids(*[1] * 100_000), f"context length ({CONTEXT})"),
+    ("stop-strings-17", ids(1, stop=["x"] * 17), "stop: 17 strings, over the limit of 16"),
+    ("stop-bytes-4097", ids(1, stop=["x" * 4000, "y" * 97]), "stop: 4097 bytes in all, over the limit of 4096"),
+    ("stop-token-ids-1025", ids(1, stop_token_ids=[2] * 1025), "stop_token_ids: 1025 ids, over the limit of 1024"),
+    ("chat-messages-1025", chat(*[("user", "hi")] * 1025), "chat: 1025 messages, over the limit of 1024"),
+    ("chat-bytes", chat(("user", "x" * PROMPT_BYTES)), f"over the limit of {PROMPT_BYTES} (32 bytes per token"),
+    ("text-bytes", pb.GenerateRequest(text="x" * (PROMPT_BYTES + 1)),
+     f"text: {PROMPT_BYTES + 1} bytes, over the limit of {PROMPT_BYTES}"),
+]  # fmt: skip
 
 
 def refusal(stub: pb_grpc.GenerationStub, req: pb.GenerateRequest, needle: str) -> str | None:
@@ -153,7 +169,7 @@ def test_bad_requests_leave_the_cluster_serving_with_every_block_back(
     failures = sum(o is not None for o in TABLE_OUTCOMES.values())
     leaked = leaked_blocks(cluster)
     record(TABLE_SCENARIO, len(TABLE_OUTCOMES), failures, leaked, None)
-    assert len(TABLE_OUTCOMES) == len(BAD) >= 20
+    assert len(TABLE_OUTCOMES) == len(BAD) >= 41
     assert failures == 0, {case: o for case, o in TABLE_OUTCOMES.items() if o is not None}
     assert leaked == 0
     assert serves(stub)
@@ -172,7 +188,8 @@ FLOAT32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
 
 @st.composite
 def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
-    """Any GenerateRequest the proto types allow, except that a valid max_tokens stays <= 4 (the run stays fast)."""
+    """Any GenerateRequest the proto types allow (stop lists and max_tokens past their limits too), except that a
+    valid max_tokens stays <= 4 when set (the run stays fast)."""
     req = pb.GenerateRequest(request_id=draw(st.text(UNICODE, max_size=300)))
     kind = draw(st.sampled_from(["text", "token_ids", "long_token_ids", "chat", "none"]))
     if kind == "text":
@@ -189,16 +206,16 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
         "top_k": st.integers(0, 50) | INT32S,
         "top_p": st.floats(0.05, 1.0) | FLOAT32,
         "seed": st.integers(0, UINT64_MAX),
-        "max_tokens": st.integers(1, 4) | st.integers(INT32[0], 0),
+        "max_tokens": st.integers(1, 4) | st.integers(INT32[0], 0) | st.integers(CONTEXT, INT32[1]),
         "min_tokens": st.integers(0, 4) | INT32S,
     }
     for name, strategy in fields.items():
         if draw(st.booleans()):
             setattr(req.sampling, name, draw(strategy))
     if not req.sampling.HasField("max_tokens") and draw(st.booleans()):
-        req.sampling.max_tokens = 1  # NOTE: unset max_tokens (16) stays possible, but rarer
-    req.sampling.stop.extend(draw(st.lists(st.text(UNICODE, max_size=5), max_size=3)))
-    req.sampling.stop_token_ids.extend(draw(st.lists(TOKEN_ID, max_size=3)))
+        req.sampling.max_tokens = 1  # NOTE: unset max_tokens (the rest of the context) stays possible, but rarer
+    req.sampling.stop.extend(draw(st.lists(st.text(UNICODE, max_size=5), max_size=3) | st.just(["x"] * 17)))
+    req.sampling.stop_token_ids.extend(draw(st.lists(TOKEN_ID, max_size=3) | st.just([2] * 1025)))
     req.sampling.ignore_eos = draw(st.booleans())
     return req
 

@@ -3,6 +3,7 @@ cancelled by the client at a seeded random point — a few ms after sending (que
 after k responses (decoding). Every call ends CANCELLED at the client (or, rarely, finished all its max_tokens
 before the cancel landed), and after each wave every KV block is back in both pools within 1 s, no lease is left
 at the prefill worker and the router's in-flight table is empty (the cancelled request ids can be used again).
+The router counts each of the 100 calls exactly once in pdserve_requests_total{outcome}.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.e2e.cluster import Cluster, running
 from tests.e2e.test_cluster import greedy_request, stream, tokens_of, wait_blocks_returned
+from tests.e2e.test_metrics import scrape
 from tests.hf_reference import random_prompts
 from tests.models import TINY_LLAMA_VOCAB_SIZE
 from tests.reliability.report import record
@@ -101,6 +103,9 @@ async def run_one(stub: pb_grpc.GenerationStub, plan: Plan) -> Outcome:
 
 async def run_wave(address: str, wave: list[Plan]) -> list[Outcome]:
     async with grpc.aio.insecure_channel(address) as channel:
+        # NOTE: calls go out on an open connection: a call cancelled while it waits for one never leaves the
+        # client, and the router could not count it
+        await channel.channel_ready()
         stub = pb_grpc.GenerationStub(channel)
         return await asyncio.gather(*(run_one(stub, p) for p in wave))
 
@@ -127,6 +132,19 @@ def leaked_blocks(cluster: Cluster) -> int:
     return sum(s["num_total_blocks"] - s["num_free_blocks"] for s in (prefill, decode))
 
 
+def router_outcomes(cluster: Cluster, num_calls: int, timeout: float = 5.0) -> dict[str, int]:
+    """pdserve_requests_total by outcome (those above 0), once the router counted num_calls calls or timeout
+    seconds passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(cluster, "router")
+        counts = {dict(labels)["outcome"]: int(n) for (name, labels), n in samples.items()
+                  if name == "pdserve_requests_total" and n}  # fmt: skip
+        if sum(counts.values()) >= num_calls or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.05)
+
+
 def test_cancellations_at_random_points_free_every_block(cluster: Cluster) -> None:
     rng = random.Random(7)
     kinds: Counter[str] = Counter()
@@ -149,10 +167,17 @@ def test_cancellations_at_random_points_free_every_block(cluster: Cluster) -> No
     failures = sum(n for kind, n in kinds.items() if kind not in ("cancelled", "finished"))
     record(SCENARIO, len(all_plans), failures, leaked, max(times))
     num_early = sum(p.delay_s is not None for p in all_plans)
+    counted = router_outcomes(cluster, len(all_plans))
     print(f"outcomes {dict(kinds)}, {num_early} cancelled early; seconds until all blocks were free: {times}")
+    print(f"router: {counted}")
     assert failures == 0, kinds
     assert kinds["finished"] < len(all_plans) // 4, kinds
     assert leaked == 0 and max(times) <= FREE_BOUND_S, times
+    # NOTE: the router counted each call once: cancelled (before admission or after), or ok for one that
+    # finished before its cancel landed
+    assert sum(counted.values()) == len(all_plans), counted
+    assert set(counted) <= {"cancelled", "cancelled_before_admission", "ok"}, counted
+    assert counted.get("ok", 0) <= kinds["finished"], (counted, kinds)
     # NOTE: a call cancelled after a response was in a worker, which counts one abort, at most once per request;
     # but a request can finish on the worker while its cancel is on the way, so the lower bound is loose.
     num_in_workers = sum(bool(o.responses) for o in all_outcomes)

@@ -25,6 +25,10 @@ def ids(*token_ids: int, **sampling: Any) -> pb.GenerateRequest:
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=token_ids), sampling=pb.SamplingParams(**sampling))
 
 
+def chat(contents: list[str]) -> pb.GenerateRequest:
+    return pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=c) for c in contents]))
+
+
 BAD = [
     ("no-input", pb.GenerateRequest(), "empty"),
     ("empty-text", pb.GenerateRequest(text=""), "empty"),
@@ -48,6 +52,22 @@ BAD = [
     ("stop-token-past-vocab", ids(1, stop_token_ids=[49152]), "stop token"),
     ("empty-stop-string", ids(1, stop=["ok", ""]), "stop strings"),
     ("request-id-too-long", pb.GenerateRequest(text="hi", request_id="x" * 257), "request_id"),
+    ("request-id-too-many-bytes", pb.GenerateRequest(text="hi", request_id="é" * 129), "over the limit of 256"),
+    ("max-tokens-past-context", ids(1, 2, max_tokens=8191), "prompt (2 tokens) + max_tokens (8191) exceeds"),
+    ("stop-strings-17", ids(1, stop=["a"] * 17), "stop: 17 strings, over the limit of 16"),
+    ("stop-bytes-4097", ids(1, stop=["a" * 4097]), "stop: 4097 bytes in all, over the limit of 4096"),
+    ("stop-token-ids-1025", ids(1, stop_token_ids=[2] * 1025), "over the limit of 1024"),
+    ("chat-messages-1025", chat(["hi"] * 1025), "chat: 1025 messages, over the limit of 1024"),
+    ("chat-bytes", chat(["x" * 262141]), "over the limit of 262144 (32 bytes per token of the 8192-token context)"),
+    ("text-bytes", pb.GenerateRequest(text="é" * 131073), "text: 262146 bytes, over the limit of 262144"),
+]
+AT_LIMITS = [
+    ("request-id-256-bytes", pb.GenerateRequest(text="hi", request_id="é" * 128)),
+    ("max-tokens-fills-context", ids(1, 2, max_tokens=8190)),
+    ("stop-strings-16-of-4096-bytes", ids(1, stop=["a" * 256] * 16)),
+    ("stop-token-ids-1024", ids(1, stop_token_ids=[2] * 1024)),
+    ("chat-messages-1024", chat(["hi"] * 1024)),
+    ("text-262144-bytes-of-4096-tokens", pb.GenerateRequest(text="#" * 262144)),
 ]
 
 
@@ -60,10 +80,17 @@ def test_bad_request_is_refused_with_a_message(
     assert needle in str(err.value)
 
 
-def test_unset_sampling_fields_take_the_engine_defaults(validator: RequestValidator) -> None:
+@pytest.mark.parametrize("request_", [a[1] for a in AT_LIMITS], ids=[a[0] for a in AT_LIMITS])
+def test_a_request_at_each_limit_passes(validator: RequestValidator, request_: pb.GenerateRequest) -> None:
+    validator.validate(request_)
+
+
+def test_unset_sampling_fields_take_the_engine_defaults_and_max_tokens_the_rest_of_the_context(
+    validator: RequestValidator,
+) -> None:
     valid = validator.validate(ids(5, 6, 7))
     assert valid.token_ids.dtype == np.int64 and valid.token_ids.tolist() == [5, 6, 7]
-    assert valid.sampling == Sampling(temperature=1.0, top_k=0, top_p=1.0, seed=None, max_tokens=16, min_tokens=0)
+    assert valid.sampling == Sampling(temperature=1.0, top_k=0, top_p=1.0, seed=None, max_tokens=8189, min_tokens=0)
     assert valid.stop == ()
 
 
