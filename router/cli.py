@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.core.cli import LOG_LEVELS
 from pdserve.router.config import RouterConfig
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:

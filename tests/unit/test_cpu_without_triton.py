@@ -8,14 +8,13 @@ The check runs in a subprocess whose `import triton` fails as on such an install
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.child_env import child_env
 from tests.hf_reference import hf_greedy, random_prompts
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 16
 LENGTHS = (1, 5, 17, 40)
 ENTRY_MODULES = (
@@ -85,9 +84,8 @@ print(json.dumps({"backends": backends, "tokens": tokens, "kernels": kernels, "t
 
 def run_without_triton(tmp_path: Path, model_dir: Path, prompts: list[list[int]]) -> dict:
     """What CHILD reports, run from tmp_path with the repo root on PYTHONPATH (for tests.* helpers)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     argv = [sys.executable, "-c", CHILD, str(model_dir), json.dumps(prompts), str(NEW_TOKENS), *ENTRY_MODULES]
-    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(argv, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
