@@ -41,6 +41,13 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--heartbeat-interval", type=float, default=0.25)
     parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=0,
+        help="torch's CPU threads in this process (0: torch's default, one per core; pdserve-cluster gives each "
+        "worker its share of the cores)",
+    )
+    parser.add_argument(
         "--busy-poll-ms",
         type=float,
         default=None,
@@ -64,4 +71,6 @@ def worker_args_error(args: argparse.Namespace) -> str | None:
     """What is wrong with parsed worker flags beyond what argparse checks, or None."""
     if args.block_size < 1 or (args.num_blocks is not None and args.num_blocks < 2):
         return "--block-size must be >= 1 and --num-blocks >= 2"
+    if args.cpu_threads < 0:
+        return "--cpu-threads must be >= 0"
     return None

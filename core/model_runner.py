@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -115,6 +117,21 @@ def is_decode_pass(chunks: list[ScheduledChunk]) -> bool:
     return all(c.num_tokens == 1 and c.samples for c in chunks)
 
 
+class StartupPhase:
+    """`with phase("weights"):` adds the seconds the block took (the device's work included) to phases[name]."""
+
+    def __init__(self, phases: dict[str, float], device: torch.device) -> None:
+        self.phases, self.device = phases, device
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+
+
 class ModelRunner:
     """Owns the model weights and the KV cache tensors of one process.
 
@@ -127,16 +144,23 @@ class ModelRunner:
     ) -> None:
         self.cfg = cfg
         self.device = torch.device(cfg.device)
+        self.startup_s: dict[str, float] = {}
+        """Seconds each start-up phase took ("weights", "KV pool", "decode graphs", "prefill graphs", "warm-up")."""
+        phase = StartupPhase(self.startup_s, self.device)
         self.backend = backend or make_backend(cfg, self.device)
-        self.model = load_model(cfg.model, self.backend, self.device)
-        if self._uses_triton():
-            interleave_mlp_weights(self.model)
+        with phase("weights"):
+            self.model = load_model(cfg.model, self.backend, self.device)
+            if self._uses_triton():
+                interleave_mlp_weights(self.model)
         self.num_blocks = resolve_num_blocks(cfg, self.device)
         kv_dtype = getattr(torch, cfg.cache.kv_dtype or cfg.model.dtype)
         shape = kv_pool_shape(cfg, self.num_blocks)
-        self.kv_pool = (
-            kv_allocator(self.num_blocks) if kv_allocator else torch.zeros(shape, dtype=kv_dtype, device=self.device)
-        )
+        with phase("KV pool"):
+            self.kv_pool = (
+                kv_allocator(self.num_blocks)
+                if kv_allocator
+                else torch.zeros(shape, dtype=kv_dtype, device=self.device)
+            )
         if tuple(self.kv_pool.shape) != shape:
             raise ValueError(f"KV pool shape {tuple(self.kv_pool.shape)} != expected {shape}")
         self.kv_caches = list(self.kv_pool.unbind(0))  # per layer [2, num_blocks, block_size, kv_heads, head_dim]
@@ -144,8 +168,10 @@ class ModelRunner:
         self.num_forward_tokens = 0
         max_blocks = -(-cfg.model.max_model_len // cfg.cache.block_size)
         self.decode_batch = DecodeBatch(cfg.scheduler.max_num_seqs, max_blocks, cfg.cache.block_size, self.device)
-        self.graphs = self._capture_graphs() if self._uses_graphs() and cfg.capture_decode else None
-        self.prefill_graphs = self._capture_prefill_graphs(max_blocks) if self._uses_graphs() else None
+        with phase("decode graphs"):
+            self.graphs = self._capture_graphs() if self._uses_graphs() and cfg.capture_decode else None
+        with phase("prefill graphs"):
+            self.prefill_graphs = self._capture_prefill_graphs(max_blocks) if self._uses_graphs() else None
 
     def _uses_triton(self) -> bool:
         if self.device.type != "cuda":
@@ -188,6 +214,10 @@ class ModelRunner:
         per kernel variant, during which every stream of the worker stalls (kernels/jit_watch.py counts the
         variants compiled after the warm-up).
         """
+        with StartupPhase(self.startup_s, self.device)("warm-up"):
+            self._warmup(lengths)
+
+    def _warmup(self, lengths: tuple[int, ...]) -> None:
         bs, max_len = self.cfg.cache.block_size, self.cfg.model.max_model_len - 1
 
         def chunk(n: int, prefix: int = 0) -> ScheduledChunk:
@@ -202,8 +232,6 @@ class ModelRunner:
             if n <= SPLIT_MAX_TOKENS and SPLIT_MIN_PREFIX + n <= max_len:  # a split pass (kernels/prefill_splits.py)
                 self.execute(StepPlan(chunks=[chunk(n, SPLIT_MIN_PREFIX)]))
         self.num_forward_calls = self.num_forward_tokens = 0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

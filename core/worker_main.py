@@ -8,16 +8,19 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from pdserve.core.busy_poll import busy_poll_seconds
 from pdserve.core.cli import add_worker_args, worker_args_error
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from pdserve.core.lifecycle import STARTUP_ERROR_EXIT
+from pdserve.core.lifecycle import STARTUP_ERROR_EXIT, process_age_s
 from pdserve.core.worker_base import WorkerBase
 
 WorkerFactory = Callable[[EngineConfig, argparse.Namespace], WorkerBase]
 
 
 def main(role: str, factory: WorkerFactory, argv: list[str] | None = None) -> int:
+    imports_s = process_age_s()  # NOTE: the interpreter's start and every import of the worker's module
     parser = argparse.ArgumentParser(prog=f"python -m pdserve.{role}_worker", description=f"pdserve {role} worker")
     add_worker_args(parser)
     args = parser.parse_args(argv)
@@ -28,9 +31,12 @@ def main(role: str, factory: WorkerFactory, argv: list[str] | None = None) -> in
         format=f"%(asctime)s {role}-{args.worker_id} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
     try:
         cfg = engine_config_from_args(args)
         worker = factory(cfg, args)
+        worker.startup_s = {"imports": imports_s or 0.0, **worker.engine.runner.startup_s}
         worker.busy_poll_s = busy_poll_seconds(args.busy_poll_ms, cfg.device)
         if args.metrics_port is not None:
             port_file = Path(args.run_dir) / "metrics" / f"{role}-{args.worker_id}.port"

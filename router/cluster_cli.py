@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="every process: after work, poll without sleeping this long (default: 1000 on CUDA, 0 on CPU)",
     )
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch's CPU threads per worker (default: this host's cores / the workers started here, at least 1)",
+    )
     _add_placement_args(p)
     return p
 
@@ -170,12 +176,26 @@ def build_children(args: argparse.Namespace, run_dir: Path) -> list[Child]:
     router += ["--prefill", str(args.prefill), "--decode", str(args.decode), *_metrics_flag(args, 0)]
     children = [Child("router", router, logs / "router.log")]
     worker = [*common, "--device", args.device, "--num-prefill", str(args.prefill), "--num-decode", str(args.decode)]
+    worker += ["--cpu-threads", str(cpu_threads(args))]
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             offset = 1 + i + (args.prefill if role == "decode" else 0)
             argv = [py, "-m", f"pdserve.{role}_worker", *worker, "--worker-id", str(i), *_metrics_flag(args, offset)]
             children.append(Child(f"{role}-{i}", argv, logs / f"{role}-{i}.log"))
     return children
+
+
+def cpu_threads(args: argparse.Namespace) -> int:
+    """--cpu-threads of each worker: as given, else the cores this process may use over the workers it starts.
+
+    NOTE: each worker's torch would otherwise start a thread per core; on a CPU cluster N workers then run
+    N x cores spinning threads on the cores, and every step waits on descheduled ones (2+2 workers on 2 cores:
+    64 SmolLM2 streams ran 2.2x fewer tokens and timed out).
+    """
+    if args.cpu_threads is not None:
+        return int(args.cpu_threads)
+    workers_here = sum(1 for name in args.wanted if name != "router")
+    return max(1, len(os.sched_getaffinity(0)) // max(workers_here, 1))
 
 
 def _metrics_flag(args: argparse.Namespace, offset: int) -> list[str]:

@@ -98,6 +98,19 @@ def test_colocated_and_roles_shape_the_children(tmp_path: Path) -> None:
     assert [c.name for c in plan(tmp_path, "--roles", "prefill-1,decode-0")] == ["prefill-1", "decode-0"]
 
 
+def test_each_worker_gets_its_share_of_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def threads(children: list[Child]) -> dict[str, str]:
+        return {c.name: c.argv[c.argv.index("--cpu-threads") + 1] for c in children if c.name != "router"}
+
+    monkeypatch.setattr(cluster_cli.os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert set(threads(plan(tmp_path)).values()) == {"2"}  # 8 cores, 4 workers
+    assert threads(plan(tmp_path, "--roles", "router,prefill-1,decode-0")) == {"prefill-1": "4", "decode-0": "4"}
+    assert set(threads(plan(tmp_path, "--cpu-threads", "0")).values()) == {"0"}  # torch's own default
+    assert "--cpu-threads" not in plan(tmp_path)[0].argv
+    monkeypatch.setattr(cluster_cli.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert set(threads(plan(tmp_path)).values()) == {"1"}  # never 0: that would mean torch's default
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
@@ -109,6 +122,7 @@ def test_colocated_and_roles_shape_the_children(tmp_path: Path) -> None:
         (["--dtype", "fp64"], "argument --dtype: invalid choice: 'fp64'"),
         (["--num-blocks", "many"], "argument --num-blocks: invalid int value"),
         (["--num-blocks", "1"], "--num-blocks >= 2"),
+        (["--cpu-threads", "-1"], "--cpu-threads must be >= 0"),
         (["--heartbeat-timeout", "-1"], "--heartbeat-timeout must be > 0"),
         (["--routing", "random"], "argument --routing: invalid choice"),
         (["--grace"], "argument --grace: expected a value"),
