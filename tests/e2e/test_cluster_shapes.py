@@ -1,18 +1,32 @@
 """The same concurrent-streams equality on other cluster shapes (2 prefill + 2 decode) and on the real
-SmolLM2, plus text and chat input through the router's tokenizer and detokenizer."""
+SmolLM2, plus text and chat input through the router's tokenizer and detokenizer; on each shape a killed decode
+worker is back within 10 s."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 from transformers import AutoTokenizer
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.e2e.cluster import Cluster
-from tests.e2e.test_cluster import NEW_TOKENS, WORKER_FLAGS, engine_greedy, generate_all, stream, tokens_of
+from tests.e2e.test_cluster import (
+    NEW_TOKENS,
+    WORKER_FLAGS,
+    engine_greedy,
+    generate_all,
+    greedy_request,
+    stream,
+    tokens_of,
+)
 from tests.e2e.test_cluster import wait_blocks_returned as wait_all_blocks
 from tests.hf_reference import hf_greedy, random_prompts
 
@@ -71,3 +85,40 @@ def test_chat_and_text_streams_detokenize(shaped: tuple[Cluster, Path]) -> None:
     )
     assert plain[-1].usage.prompt_tokens == len(tok("The quick brown fox")["input_ids"])
     assert len(tokens_of(plain)) == 8
+
+
+RESTART_WITHIN_S = 10.0
+
+
+async def first_token_at(address: str, prompt: list[int]) -> tuple[float, list[int]]:
+    """(monotonic time of the first streamed token, every token) of one greedy stream."""
+    first, tokens = 0.0, []
+    async with grpc.aio.insecure_channel(address) as channel:
+        async for response in pb_grpc.GenerationStub(channel).Generate(greedy_request(prompt), timeout=60):
+            first = first or time.monotonic()
+            tokens += response.token_ids
+    return first, tokens
+
+
+def test_killed_decode_worker_serves_again_within_10_s(shaped: tuple[Cluster, Path]) -> None:
+    """kill -9 of decode-0 while idle: within 10 s its new process heartbeats and streams a first token (retried
+    while the router answers UNAVAILABLE: no decode worker up yet), and the prompt gives the same tokens as
+    before. Last in this file: the cluster is not the same afterwards."""
+    cluster, model_dir = shaped
+    vocab = 1024 if "tiny" in str(model_dir) else 49152
+    [prompt] = random_prompts(vocab, [9], seed=53)
+    _, before = asyncio.run(first_token_at(cluster.address, prompt))
+    old = cluster.stats("decode", 0)["incarnation"]
+    killed = time.monotonic()
+    os.kill(cluster.pid("decode-0"), signal.SIGKILL)
+    cluster.wait_for(lambda: cluster.stats("decode", 0)["incarnation"] != old, RESTART_WITHIN_S, "decode-0 back")
+    back = time.monotonic() - killed
+    while True:
+        try:
+            first, after = asyncio.run(first_token_at(cluster.address, prompt))
+            break
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - killed < RESTART_WITHIN_S, exc
+            time.sleep(0.05)
+    print(f"decode-0 heartbeats {back:.2f} s and streams a first token {first - killed:.2f} s after kill -9")
+    assert after == before and first - killed <= RESTART_WITHIN_S
