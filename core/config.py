@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 import torch
 
+from pdserve.core.parallel import ParallelConfig, kv_head_range
+
 Arch = Literal["llama", "gpt2"]
 LoadFormat = Literal["auto", "dummy"]
 
@@ -188,3 +190,11 @@ class EngineConfig:
     core/prefill_graphs.py)."""
     capture_decode: bool = True
     """Capture decode graphs (a prefill worker, which hands requests off after their first token, needs none)."""
+    parallel: ParallelConfig = ParallelConfig()
+    """This process's rank in its worker's TP group (core/parallel.py)."""
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads in this rank's pool: its share of the model's, or one replicated head."""
+        p = self.parallel
+        return kv_head_range(self.model.num_kv_heads, p.tp_size, p.tp_rank)[1]

@@ -16,6 +16,7 @@ from pdserve.core.config import EngineConfig
 from pdserve.core.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pdserve.core.decode_batch import DecodeBatch
 from pdserve.core.models import interleave_mlp_weights, load_model
+from pdserve.core.parallel import tp_group
 from pdserve.core.prefill_graphs import PREFILL_GRAPH_SEQS, HostInputs, PrefillGraphs
 from pdserve.core.request import Request
 from pdserve.core.sampler import SamplingState
@@ -34,7 +35,7 @@ WARMUP_BATCHES = (1, PREFILL_GRAPH_SEQS + 1)
 def kv_bytes_per_block(cfg: EngineConfig) -> int:
     m, dtype = cfg.model, cfg.cache.kv_dtype or cfg.model.dtype
     elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    return 2 * m.num_layers * cfg.cache.block_size * m.num_kv_heads * m.head_dim * elem
+    return 2 * m.num_layers * cfg.cache.block_size * cfg.kv_heads_per_rank * m.head_dim * elem
 
 
 def resolve_num_blocks(cfg: EngineConfig, device: torch.device) -> int:
@@ -55,7 +56,7 @@ KVAllocator = Callable[[int], torch.Tensor]
 
 def kv_pool_shape(cfg: EngineConfig, num_blocks: int) -> tuple[int, ...]:
     m = cfg.model
-    return (m.num_layers, 2, num_blocks, cfg.cache.block_size, m.num_kv_heads, m.head_dim)
+    return (m.num_layers, 2, num_blocks, cfg.cache.block_size, cfg.kv_heads_per_rank, m.head_dim)
 
 
 def make_backend(cfg: EngineConfig, device: torch.device) -> AttentionBackend:
@@ -142,6 +143,8 @@ class ModelRunner:
     def __init__(
         self, cfg: EngineConfig, backend: AttentionBackend | None = None, kv_allocator: KVAllocator | None = None
     ) -> None:
+        if tp_group().size != cfg.parallel.tp_size:
+            raise ValueError(f"TP size {cfg.parallel.tp_size}, but this process's group has {tp_group().size} ranks")
         self.cfg = cfg
         self.device = torch.device(cfg.device)
         self.startup_s: dict[str, float] = {}

@@ -57,7 +57,7 @@ class KVLayout:
             dtype=cfg.cache.kv_dtype or m.dtype,
             block_size=cfg.cache.block_size,
             num_layers=m.num_layers,
-            num_kv_heads=m.num_kv_heads,
+            num_kv_heads=cfg.kv_heads_per_rank,
             head_dim=m.head_dim,
             num_blocks=num_blocks,
         )

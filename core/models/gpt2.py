@@ -5,7 +5,7 @@ Checkpoints store Conv1D weights as [in, out]; they are transposed into nn.Linea
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -13,8 +13,9 @@ from torch import nn
 
 from pdserve.core.config import ModelConfig
 from pdserve.core.models.activations import activation
-from pdserve.core.models.layers import VocabEmbedding
-from pdserve.core.models.loading import copy_weights
+from pdserve.core.models.layers import ColumnParallelLinear, MergedLinear, RowParallelLinear, VocabEmbedding
+from pdserve.core.models.loading import Weight, copy_weights
+from pdserve.core.parallel import Shard, even_split, tp_group
 from pdserve.kernels.attention import AttentionBackend, AttentionMetadata, OutputRows
 from pdserve.kernels.layer_norm import layer_norm
 
@@ -24,9 +25,12 @@ _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c
 class GPT2Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.c_attn = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.c_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        tp, d = tp_group(), cfg.head_dim
+        start, self.num_heads = even_split(cfg.num_heads, tp.size, tp.rank, "n_head")
+        self.head_dim = d
+        heads = Shard(0, start * d, self.num_heads * d, cfg.num_heads * d)
+        self.c_attn = MergedLinear(cfg.hidden_size, {f"c_attn_{p}": heads for p in "qkv"}, bias=True)
+        self.c_proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, bias=True)
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
 
@@ -45,8 +49,8 @@ class GPT2Attention(nn.Module):
 class GPT2MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.c_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, True, "n_inner")
+        self.c_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=True)
         self.act = activation(cfg.hf_config.activation_function)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -128,14 +132,23 @@ class GPT2LMHeadModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.transformer.wte.logits(hidden)  # tied lm_head
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def rename(name: str, tensor: torch.Tensor) -> tuple[str | None, torch.Tensor]:
-            if name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias")):
-                return None, tensor
-            name = name if name.startswith("transformer.") else f"transformer.{name}"
-            return name, tensor.t() if name.endswith(_CONV1D) else tensor
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> set[str]:
+        hidden = self.transformer.wpe.weight.shape[1]
 
-        return copy_weights(self, (rename(n, t) for n, t in weights))
+        def renamed() -> Iterator[tuple[str, Weight]]:
+            for name, tensor in weights:
+                if name == "lm_head.weight" or name.endswith((".attn.bias", ".attn.masked_bias")):
+                    continue
+                name = name if name.startswith("transformer.") else f"transformer.{name}"
+                tensor = tensor.t() if name.endswith(_CONV1D) else tensor
+                module, _, leaf = name.rpartition(".")
+                if module.endswith(".attn.c_attn"):  # NOTE: q, k and v stacked: each is a part of its own
+                    for i, part in enumerate("qkv"):
+                        yield f"{module}_{part}.{leaf}", tensor.narrow(0, i * hidden, hidden)
+                else:
+                    yield name, tensor
+
+        return copy_weights(self, renamed())
 
 
 def build(cfg: ModelConfig, backend: AttentionBackend) -> Any:

@@ -1,4 +1,9 @@
-"""Layers the model families share: merged projections and a vocabulary padded for the logits GEMM."""
+"""Layers the model families share: merged projections, row-parallel outputs and a vocabulary padded for the
+logits GEMM, each sharded over this process's TP group (core/parallel.py; at size 1 they are plain layers).
+
+A sharded parameter carries `shard` (core/parallel.py Shard): the slice of the checkpoint tensor it holds, which
+loading reads and dummy weights index by (core/models/loading.py).
+"""
 
 from __future__ import annotations
 
@@ -6,20 +11,32 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pdserve.core.parallel import Shard, TPGroup, even_split, tp_group
+
 VOCAB_PAD = 64
-"""Vocabulary rows are padded to a multiple of this (as vLLM does)."""
+"""Each rank's vocabulary rows are padded to a multiple of this (as vLLM does)."""
+
+
+def column_shard(full: int, what: str) -> Shard:
+    """This rank's equal share of full output rows."""
+    tp = tp_group()
+    start, length = even_split(full, tp.size, tp.rank, what)
+    return Shard(0, start, length, full)
 
 
 class MergedLinear(nn.Linear):
-    """One GEMM for several projections of the same input (q/k/v, gate/up): their output rows stacked in order.
+    """One GEMM for several projections of the same input (q/k/v, gate/up): their output rows stacked in order,
+    each part's rows this rank's shard of that part (column-parallel: no communication).
 
     Checkpoints keep the parts apart; copy_weights fills each part's rows (`shards` names them, in order).
     """
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shards.values()), bias=bias)
-        self.shards = shards  # part name -> output rows, in stacking order
-        self.splits = list(shards.values())
+    def __init__(self, in_features: int, parts: dict[str, Shard], bias: bool) -> None:
+        super().__init__(in_features, sum(p.length for p in parts.values()), bias=bias)
+        self.sources = parts
+        """Part name -> the rows of the checkpoint's part tensor this rank holds."""
+        self.shards = {name: p.length for name, p in parts.items()}  # part name -> output rows, in stacking order
+        self.splits = list(self.shards.values())
         self.interleave = 0
         """Two parts stored in blocks of this many rows, [a_0, b_0, a_1, b_1, ...] (kernels/swiglu_gemm.py's
         layout; LlamaMLP.interleave_weights); 0: stacked in order."""
@@ -34,9 +51,48 @@ class MergedLinear(nn.Linear):
         names = list(self.shards)
         return sum(self.splits[: names.index(part)]), self.shards[part]
 
+    def global_rows(self) -> torch.Tensor:
+        """[out_features] int64: each local row's row in the unsharded stacked weight."""
+        offsets, rows = 0, []
+        for part in self.sources.values():
+            rows.append(torch.arange(part.start, part.start + part.length) + offsets)
+            offsets += part.full
+        return torch.cat(rows)
+
+
+class ColumnParallelLinear(nn.Linear):
+    """nn.Linear holding this rank's share of the output rows (and of the bias)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, what: str) -> None:
+        shard = column_shard(out_features, what)
+        super().__init__(in_features, shard.length, bias=bias)
+        self.weight.shard = shard  # type: ignore[attr-defined]
+        if self.bias is not None:
+            self.bias.shard = shard  # type: ignore[attr-defined]
+
+
+class RowParallelLinear(nn.Linear):
+    """nn.Linear holding this rank's share of the input columns: partial sums, one all-reduce, then the bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, shard: Shard | None = None) -> None:
+        tp = tp_group()
+        if shard is None:
+            start, length = even_split(in_features, tp.size, tp.rank, "the row-parallel input")
+            shard = Shard(1, start, length, in_features)
+        super().__init__(shard.length, out_features, bias=bias)
+        self.weight.shard = shard  # type: ignore[attr-defined]
+        self.tp: TPGroup = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
 
 class VocabEmbedding(nn.Module):
-    """Token embeddings whose table is padded to a multiple of VOCAB_PAD rows; also the (tied) lm_head.
+    """Token embeddings split by vocabulary rows over the ranks, each share padded to a multiple of VOCAB_PAD
+    rows; also the (tied) lm_head, whose logits the ranks all-gather.
 
     NOTE: an odd vocabulary (GPT-2's 50257) makes the logits' row stride misaligned, and cuBLAS then falls
     back to a slow kernel (128 us instead of ~20 us for a 128-row decode step on an H200). The padding rows
@@ -45,11 +101,21 @@ class VocabEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__()
+        self.tp = tp_group()
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(-(-vocab_size // VOCAB_PAD) * VOCAB_PAD, hidden))
+        rows = -(-vocab_size // (VOCAB_PAD * self.tp.size)) * VOCAB_PAD
+        self.start = self.tp.rank * rows
+        """The first token id of this rank's rows."""
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.weight.shard = Shard(0, self.start, max(0, min(rows, vocab_size - self.start)), vocab_size)  # type: ignore[attr-defined]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
-        return F.embedding(input_ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine.unsqueeze(1)
+        return self.tp.all_reduce(rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab_size] float32
-        return (hidden @ self.weight.t())[:, : self.vocab_size].float()
+        return self.tp.all_gather(hidden @ self.weight.t())[:, : self.vocab_size].float()

@@ -14,9 +14,10 @@ from torch import nn
 
 from pdserve.core.config import ModelConfig
 from pdserve.core.models.activations import activation
-from pdserve.core.models.layers import MergedLinear, VocabEmbedding
+from pdserve.core.models.layers import MergedLinear, RowParallelLinear, VocabEmbedding, column_shard
 from pdserve.core.models.loading import copy_weights
 from pdserve.core.models.rope import RotaryEmbedding
+from pdserve.core.parallel import Shard, even_split, kv_head_range, tp_group
 from pdserve.kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, Rope
 from pdserve.kernels.fused_ops import rms_norm, silu_and_mul, silu_and_mul_blocks
 from pdserve.kernels.swiglu_gemm import (
@@ -56,10 +57,14 @@ class LlamaAttention(nn.Module):
         # NOTE: Llama's attention_bias covers q/k/v/o; Qwen2 always has q/k/v bias and no o bias.
         o_bias = bool(getattr(hf, "attention_bias", False))
         bias = o_bias or hf.model_type == "qwen2"
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
+        tp, d = tp_group(), cfg.head_dim
+        q_start, self.num_heads = even_split(cfg.num_heads, tp.size, tp.rank, "num_attention_heads")
+        kv_start, self.num_kv_heads = kv_head_range(cfg.num_kv_heads, tp.size, tp.rank)
+        self.head_dim = d
+        q = Shard(0, q_start * d, self.num_heads * d, cfg.num_heads * d)
+        kv = Shard(0, kv_start * d, self.num_kv_heads * d, cfg.num_kv_heads * d)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, o_bias)
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
 
@@ -98,9 +103,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hf = cfg.hf_config
         bias = bool(getattr(hf, "mlp_bias", False))
-        inter = cfg.intermediate_size
+        inter = column_shard(cfg.intermediate_size, "intermediate_size")
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
         self.act = activation(hf.hidden_act)
         self.fused_silu = hf.hidden_act == "silu"
 

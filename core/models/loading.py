@@ -6,17 +6,62 @@ import json
 import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from pdserve.core.models.layers import MergedLinear, VocabEmbedding
+from pdserve.core.parallel import Shard
 from pdserve.kernels.swiglu_gemm import deinterleave_gate_up
 
 
-def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of model.safetensors, or of the shards listed in model.safetensors.index.json."""
+class CheckpointTensor:
+    """A safetensors tensor read on demand: narrow() and t() compose, read() loads only the slice they leave,
+    so each TP rank reads its own rows or columns of the file and no more."""
+
+    def __init__(self, view: Any, shape: tuple[int, ...], index: tuple[slice, ...] | None = None) -> None:
+        self._view, self._stored = view, shape
+        self._index = index or tuple(slice(0, n) for n in shape)
+        self._transposed = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        sizes = tuple(s.stop - s.start for s in self._index)
+        return sizes[::-1] if self._transposed else sizes
+
+    def t(self) -> CheckpointTensor:
+        """The 2-D transpose (GPT-2's Conv1D weights are stored [in, out])."""
+        out = CheckpointTensor(self._view, self._stored, self._index)
+        out._transposed = not self._transposed
+        return out
+
+    def narrow(self, dim: int, start: int, length: int) -> CheckpointTensor:
+        stored_dim = len(self._index) - 1 - dim if self._transposed else dim
+        index = list(self._index)
+        first = index[stored_dim].start + start
+        index[stored_dim] = slice(first, first + length)
+        out = CheckpointTensor(self._view, self._stored, tuple(index))
+        out._transposed = self._transposed
+        return out
+
+    def read(self) -> torch.Tensor:
+        tensor = self._view[self._index]
+        return tensor.t() if self._transposed else tensor
+
+
+Weight = torch.Tensor | CheckpointTensor
+"""A checkpoint tensor: in memory (tests, conversions) or still in its file."""
+
+
+def read(weight: Weight) -> torch.Tensor:
+    return weight.read() if isinstance(weight, CheckpointTensor) else weight
+
+
+def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor of model.safetensors, or of the shards listed in model.safetensors.index.json, unread
+    (valid until the iteration moves on)."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.exists():
@@ -28,31 +73,44 @@ def iter_safetensors(folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     for name in files:
         with safe_open(str(folder / name), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield key, f.get_tensor(key)
+                view = f.get_slice(key)
+                yield key, CheckpointTensor(view, tuple(view.get_shape()))
 
 
-def _part_rows(model: nn.Module) -> dict[str, tuple[str, MergedLinear, slice]]:
+def _part_rows(model: nn.Module) -> dict[str, tuple[str, MergedLinear, slice, Shard]]:
     """Checkpoint module name of each MergedLinear part (e.g. model.layers.0.self_attn.q_proj) -> (the merged
-    module's name, the module, the part's rows)."""
+    module's name, the module, the part's rows in it, the rows of the checkpoint's part it holds)."""
     out = {}
     for fused_name, fused in model.named_modules():
         if isinstance(fused, MergedLinear):
             parent = fused_name.rpartition(".")[0]
-            for part in fused.shards:
+            for part, shard in fused.sources.items():
                 start, rows = fused.shard_rows(part)
-                out[f"{parent}.{part}" if parent else part] = (fused_name, fused, slice(start, start + rows))
+                key = f"{parent}.{part}" if parent else part
+                out[key] = (fused_name, fused, slice(start, start + rows), shard)
     return out
 
 
-def copy_weights(model: nn.Module, weights: Iterable[tuple[str | None, torch.Tensor]]) -> set[str]:
-    """Copy (name, tensor) pairs into same-named parameters (or their rows of a MergedLinear); None names are
-    skipped. Returns the parameters filled whole (a merged one once all its parts came).
+def _narrowed(name: str, tensor: Weight, shard: Shard | None, param: torch.Tensor) -> torch.Tensor:
+    """The slice of tensor that param (a parameter, or a part's rows of one) holds, read; ValueError when the
+    checkpoint's shape does not fit."""
+    want = list(param.shape)
+    if shard is not None:
+        want[shard.dim] = shard.full
+    if list(tensor.shape) != want:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(want)}")
+    return read(tensor if shard is None else tensor.narrow(shard.dim, shard.start, shard.length))
+
+
+def copy_weights(model: nn.Module, weights: Iterable[tuple[str | None, Weight]]) -> set[str]:
+    """Copy (name, tensor) pairs into same-named parameters (or their rows of a MergedLinear), each parameter's
+    own shard of the tensor (core/models/layers.py); None names are skipped. Returns the parameters filled whole
+    (a merged one once all its parts came).
 
     Unknown names and shape mismatches raise: a checkpoint that does not fit is an error, not a warning.
     """
     params = dict(model.named_parameters())
     parts = _part_rows(model)
-    vocabs = {n: m for n, m in model.named_modules() if isinstance(m, VocabEmbedding)}
     filled: dict[str, int] = {}
     loaded: set[str] = set()
     for name, tensor in weights:
@@ -60,18 +118,17 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str | None, torch.Ten
             continue
         module, _, leaf = name.rpartition(".")  # e.g. model.layers.0.self_attn.q_proj / weight
         if name in params:
-            target, fused, vocab = name, None, vocabs.get(module)
-            rows = None if vocab is None else slice(0, vocab.vocab_size)
+            target, fused, param = name, None, params[name]
+            shard = getattr(param, "shard", None)
+            dest = param if shard is None or shard.dim else param[: shard.length]  # NOTE: vocab padding rows
         elif module in parts:
-            fused_name, fused, rows = parts[module]
+            fused_name, fused, rows, shard = parts[module]
             target = f"{fused_name}.{leaf}"
+            dest = params[target][rows]
         else:
             raise KeyError(f"checkpoint tensor {name!r} has no parameter")
-        param = params[target] if rows is None else params[target][rows]
-        if param.shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
         with torch.no_grad():
-            param.copy_(tensor)
+            dest.copy_(_narrowed(name, tensor, shard, dest))
         filled[target] = filled.get(target, 0) + 1
         if fused is None or filled[target] == len(fused.shards):
             loaded.add(target)
@@ -125,9 +182,25 @@ def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def hash_uniform_(out: torch.Tensor, key: int, low: float, high: float) -> None:
+class GlobalIndex(NamedTuple):
+    """Where a sharded parameter's elements sit in the unsharded one: row r, column c of the local tensor is
+    element rows[r] * full_cols + cols[c] there (rows None: r; cols None: c)."""
+
+    rows: torch.Tensor | None
+    cols: torch.Tensor | None
+    full_cols: int
+
+    def of(self, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The unsharded element index of each local flat index."""
+        cols = shape[1] if len(shape) == 2 else 1
+        r, c = flat // cols, flat % cols
+        rows = r if self.rows is None else self.rows.to(flat.device)[r]
+        return rows * self.full_cols + (c if self.cols is None else self.cols.to(flat.device)[c])
+
+
+def hash_uniform_(out: torch.Tensor, key: int, low: float, high: float, where: GlobalIndex | None = None) -> None:
     """Fill out with uniforms in [low, high) drawn by splitmix64 of (key, element index): the same values on
-    every device, whatever its SM count.
+    every device, whatever its SM count, and (with where) in every TP shard as in the unsharded tensor.
 
     NOTE: not torch's CUDA generator: its values depend on the launch grid, hence on the number of SMs, which
     an MPS SM share changes, so two processes drawing "the same" seeded weights would disagree.
@@ -135,7 +208,10 @@ def hash_uniform_(out: torch.Tensor, key: int, low: float, high: float) -> None:
     flat = out.view(-1)  # NOTE: parameters are contiguous
     for start in range(0, flat.numel(), DUMMY_CHUNK):
         end = min(flat.numel(), start + DUMMY_CHUNK)
-        z = torch.arange(start, end, dtype=torch.int64, device=out.device) * _GOLDEN + _int64(key)
+        index = torch.arange(start, end, dtype=torch.int64, device=out.device)
+        if where is not None:
+            index = where.of(index, out.shape)
+        z = index * _GOLDEN + _int64(key)
         z = (z ^ _shr(z, 30)) * _MIX1
         z = (z ^ _shr(z, 27)) * _MIX2
         z = z ^ _shr(z, 31)
@@ -143,13 +219,26 @@ def hash_uniform_(out: torch.Tensor, key: int, low: float, high: float) -> None:
         flat[start:end] = (low + (high - low) * unit).to(out.dtype)
 
 
+def global_index(module: nn.Module, param: torch.Tensor) -> GlobalIndex | None:
+    """param's place in the unsharded model (None: it is not sharded)."""
+    cols = param.shape[1] if param.dim() == 2 else 1
+    if isinstance(module, MergedLinear):
+        return GlobalIndex(module.global_rows(), None, cols)
+    shard: Shard | None = getattr(param, "shard", None)
+    if shard is None:
+        return None
+    span = torch.arange(shard.start, shard.start + param.shape[shard.dim])
+    return GlobalIndex(span, None, cols) if shard.dim == 0 else GlobalIndex(None, span, shard.full)
+
+
 def fill_dummy(model: nn.Module, seed: int) -> None:
     """Seeded random weights for benchmarks: norms at 1, everything else small uniform noise, a function of
-    (seed, parameter name, element index) only."""
+    (seed, parameter name, element index in the unsharded parameter) only: every TP size holds the same model."""
+    modules = dict(model.named_modules())
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
                 param.fill_(1.0)
             else:
                 key = _splitmix64((seed << 32) | zlib.crc32(name.encode()))
-                hash_uniform_(param, key, -1e-2, 1e-2)
+                hash_uniform_(param, key, -1e-2, 1e-2, global_index(modules[name.rpartition(".")[0]], param))

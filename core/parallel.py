@@ -1,0 +1,117 @@
+"""Tensor parallelism inside one worker: its ranks' process group, which slice of each sharded dimension a rank
+holds, and the two collectives the sharded layers call (core/models/layers.py).
+
+A worker of TP size N is N processes, one per GPU (or N CPU processes, gloo), each holding 1/N of the query
+heads, of the KV heads (each KV head replicated N / num_kv_heads times where N exceeds them, as vLLM does), of
+the MLP width and of the vocabulary. Megatron's split: column-parallel q/k/v and gate/up need no
+communication, row-parallel o/down end in one all-reduce each, the embedding lookup is an all-reduce of masked
+rows and the logits an all-gather. At size 1 nothing here touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """This process's place in its worker's TP group."""
+
+    tp_size: int = 1
+    """Processes of the group."""
+    tp_rank: int = 0
+    """This process's rank in [0, tp_size); rank 0 schedules."""
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"TP rank {self.tp_rank} of size {self.tp_size}: need 0 <= rank < size")
+
+
+class Shard(NamedTuple):
+    """Which part of a checkpoint tensor a parameter (or one part of a merged one) holds: along dim, the
+    `length` entries from `start` of a dimension of `full` entries."""
+
+    dim: int
+    start: int
+    length: int
+    full: int
+
+
+def even_split(full: int, size: int, rank: int, what: str) -> tuple[int, int]:
+    """(start, length) of rank's equal share of full entries; ValueError naming what when size does not divide."""
+    if full % size:
+        raise ValueError(f"{what} ({full}) is not divisible by the TP size {size}")
+    length = full // size
+    return rank * length, length
+
+
+def kv_head_range(num_kv_heads: int, size: int, rank: int) -> tuple[int, int]:
+    """(first KV head, KV heads) of rank: an equal share, or one head replicated on size / num_kv_heads ranks."""
+    if size <= num_kv_heads:
+        return even_split(num_kv_heads, size, rank, "num_key_value_heads")
+    if size % num_kv_heads:
+        raise ValueError(f"TP size {size} is neither a divisor nor a multiple of num_key_value_heads {num_kv_heads}")
+    return rank // (size // num_kv_heads), 1
+
+
+class TPGroup:
+    """The collectives of this process's TP group; the identity at size 1."""
+
+    def __init__(self, rank: int = 0, size: int = 1, group: dist.ProcessGroup | None = None) -> None:
+        self.rank, self.size, self.group = rank, size, group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the ranks, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, size * d], rank order
+        """Every rank's x side by side along the last dim."""
+        if self.size == 1:
+            return x
+        if x.is_cuda:
+            out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+            parts = list(out.unbind(0))
+        else:  # NOTE: gloo has no all_gather_into_tensor
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+_GROUP = TPGroup()
+
+
+def tp_group() -> TPGroup:
+    """This process's TP group (size 1 until init_tp_group)."""
+    return _GROUP
+
+
+def init_tp_group(cfg: ParallelConfig, init_method: str, device: torch.device) -> TPGroup:
+    """Join the worker's group (NCCL on CUDA, gloo on CPU) as cfg.tp_rank; a no-op at size 1.
+
+    NOTE: init_method is a file:// or tcp://127.0.0.1 rendezvous private to the worker's ranks.
+    """
+    global _GROUP
+    if cfg.tp_size == 1:
+        _GROUP = TPGroup()
+        return _GROUP
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NOTE: NCCL's communicator binds to the current device
+    dist.init_process_group(backend, init_method=init_method, world_size=cfg.tp_size, rank=cfg.tp_rank)
+    _GROUP = TPGroup(cfg.tp_rank, cfg.tp_size, dist.group.WORLD)
+    return _GROUP
+
+
+def close_tp_group() -> None:
+    """Leave the group (before the process exits: gloo's threads must not outlive it)."""
+    global _GROUP
+    if _GROUP.size > 1:
+        dist.destroy_process_group()
+    _GROUP = TPGroup()
