@@ -87,11 +87,15 @@ def test_a_tp_size_the_heads_do_not_allow_is_refused(tiny_llama_dir: Path) -> No
         build(cfg, 0, 3)
 
 
-def _rank_main(rank: int, size: int, model_dir: str, prompts: list[list[int]], out: str) -> None:
+def _rank_main(
+    rank: int, size: int, model_dir: str, prompts: list[list[int]], out: str, device: str, eager: bool
+) -> None:
     torch.set_num_threads(1)
     pc = ParallelConfig(size, rank)
-    parallel.init_tp_group(pc, f"file://{out}.rendezvous", torch.device("cpu"))
-    cfg = EngineConfig(ModelConfig.from_pretrained(model_dir), CacheConfig(num_blocks=128), parallel=pc)
+    device = f"cuda:{rank}" if device == "cuda" else device
+    parallel.init_tp_group(pc, f"file://{out}.rendezvous", torch.device(device))
+    model = ModelConfig.from_pretrained(model_dir)
+    cfg = EngineConfig(model, CacheConfig(num_blocks=128), device=device, enforce_eager=eager, parallel=pc)
     engine = Engine(cfg)
     tokens = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     parallel.close_tp_group()
@@ -99,10 +103,13 @@ def _rank_main(rank: int, size: int, model_dir: str, prompts: list[list[int]], o
         Path(out).write_text(json.dumps(tokens))
 
 
-def tp_greedy(model_dir: Path, prompts: list[list[int]], size: int, tmp_path: Path) -> list[list[int]]:
-    """Greedy tokens of an engine at TP size: one gloo process per rank, every rank running the same steps."""
-    out = tmp_path / f"tp{size}.json"
-    mp.spawn(_rank_main, args=(size, str(model_dir), prompts, str(out)), nprocs=size, join=True)
+def tp_greedy(
+    model_dir: Path, prompts: list[list[int]], size: int, tmp_path: Path, device: str = "cpu", eager: bool = False
+) -> list[list[int]]:
+    """Greedy tokens of an engine at TP size: one process per rank (gloo on CPU; NCCL on CUDA, rank r on GPU r),
+    every rank running the same steps."""
+    out = tmp_path / f"tp{size}-{device}-{eager}.json"
+    mp.spawn(_rank_main, args=(size, str(model_dir), prompts, str(out), device, eager), nprocs=size, join=True)
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
