@@ -11,6 +11,7 @@ rows and the logits an all-gather. At size 1 nothing here touches torch.distribu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import NamedTuple
 
 import torch
@@ -85,6 +86,8 @@ class TPGroup:
 
 
 _GROUP = TPGroup()
+GROUP_TIMEOUT = timedelta(seconds=60)
+"""How long a rank waits for the others at start-up and in a collective before it fails."""
 
 
 def tp_group() -> TPGroup:
@@ -104,14 +107,24 @@ def init_tp_group(cfg: ParallelConfig, init_method: str, device: torch.device) -
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NOTE: NCCL's communicator binds to the current device
-    dist.init_process_group(backend, init_method=init_method, world_size=cfg.tp_size, rank=cfg.tp_rank)
+    dist.init_process_group(
+        backend, init_method=init_method, world_size=cfg.tp_size, rank=cfg.tp_rank, timeout=GROUP_TIMEOUT
+    )
     _GROUP = TPGroup(cfg.tp_rank, cfg.tp_size, dist.group.WORLD)
+    # NOTE: NCCL makes its communicator at the first collective, which must not be one a CUDA graph captures
+    _GROUP.all_reduce(torch.zeros(1, device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return _GROUP
 
 
 def close_tp_group() -> None:
-    """Leave the group (before the process exits: gloo's threads must not outlive it)."""
+    """Leave the group before the process exits: gloo's threads must not outlive it (an abort otherwise).
+
+    NOTE: an NCCL group whose collectives CUDA graphs captured hangs in destroy_process_group (torch 2.11,
+    H200); its communicator goes with the process.
+    """
     global _GROUP
-    if _GROUP.size > 1:
+    if _GROUP.size > 1 and dist.get_backend(_GROUP.group) == "gloo":
         dist.destroy_process_group()
     _GROUP = TPGroup()
