@@ -25,7 +25,9 @@ from tests.reliability.report import record
 
 NUM_STREAMS = 2000
 ROOM_FOR = 200
-PROMPT_TOKENS, MAX_TOKENS, BLOCK_SIZE = 8, 24, 16
+PROMPT_TOKENS, MAX_TOKENS, BLOCK_SIZE = 8, 200, 16
+"""Streams long enough that all 2000 calls arrive while the first 200 still decode (at 24 tokens the cluster,
+one CPU thread per worker, finished them as fast as they came and refused none)."""
 BLOCKS_PER_REQUEST = (PROMPT_TOKENS + MAX_TOKENS) // BLOCK_SIZE
 MAX_QUEUED = 1024
 CLUSTER_FLAGS = ("--num-blocks", str(ROOM_FOR * BLOCKS_PER_REQUEST + 1), "--max-queued", str(MAX_QUEUED))
