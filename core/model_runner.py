@@ -149,7 +149,7 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.startup_s: dict[str, float] = {}
         """Seconds each start-up phase took ("weights", "KV pool", "decode graphs", "prefill graphs", "warm-up")."""
-        phase = StartupPhase(self.startup_s, self.device)
+        self._phase = phase = StartupPhase(self.startup_s, self.device)
         self.backend = backend or make_backend(cfg, self.device)
         with phase("weights"):
             self.model = load_model(cfg.model, self.backend, self.device)
@@ -217,7 +217,7 @@ class ModelRunner:
         per kernel variant, during which every stream of the worker stalls (kernels/jit_watch.py counts the
         variants compiled after the warm-up).
         """
-        with StartupPhase(self.startup_s, self.device)("warm-up"):
+        with self._phase("warm-up"):
             self._warmup(lengths)
 
     def _warmup(self, lengths: tuple[int, ...]) -> None:
