@@ -23,6 +23,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode passes")
+    parser.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel processes of this worker (rank 0 starts the others); with --device cuda[:K] rank r "
+        "runs on cuda:K+r",
+    )
+    parser.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # NOTE: set by rank 0 only
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -73,4 +81,8 @@ def worker_args_error(args: argparse.Namespace) -> str | None:
         return "--block-size must be >= 1 and --num-blocks >= 2"
     if args.cpu_threads < 0:
         return "--cpu-threads must be >= 0"
+    if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
+        return f"--tp-size must be >= 1 (got {args.tp_size}; rank {args.tp_rank})"
+    if args.tp_size > 1 and args.transport == "dist":
+        return "--transport dist moves KV between workers of TP size 1 only"
     return None

@@ -230,6 +230,8 @@ class HeartbeatEvent:
     counters: dict[str, int] = field(default_factory=dict)
     layout: dict[str, Any] = field(default_factory=dict)
     """The worker's KV layout fingerprint (kvtransfer/layout.py): the router serves with one layout only."""
+    ranks: list[int] = field(default_factory=list)
+    """Pids of the worker's TP group in rank order (pid is ranks[0]; [] from a worker of TP size 1)."""
 
 
 @dataclass(frozen=True)
