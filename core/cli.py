@@ -31,6 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "runs on cuda:K+r",
     )
     parser.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # NOTE: set by rank 0 only
+    parser.add_argument("--tp-group", default=None, help=argparse.SUPPRESS)  # rank 0's group files (rank_group.py)
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -83,6 +84,8 @@ def worker_args_error(args: argparse.Namespace) -> str | None:
         return "--cpu-threads must be >= 0"
     if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
         return f"--tp-size must be >= 1 (got {args.tp_size}; rank {args.tp_rank})"
+    if args.tp_rank > 0 and args.tp_group is None:
+        return "--tp-rank is set by rank 0 of a TP group, with --tp-group"
     if args.tp_size > 1 and args.transport == "dist":
         return "--transport dist moves KV between workers of TP size 1 only"
     return None

@@ -15,6 +15,9 @@ host has read the tokens the first one sampled. Those rows take their input id o
 `sampled` (the in-flight step's tokens, by its row): the host stages id 0 and the source row, the rest
 stage their known id and the always-zero slot sampled[max_batch]; one gather and one add, in place.
 
+TP groups: rank 0 stages rows from its requests; the other ranks hold no requests and take its staging as it is
+(staged_rows, the table rows it rewrote, stage_rows), so every rank's buffers hold the same batch.
+
 NOTE: the host staging is rewritten only once the previous load's copies have left it (an event). The engine
 waits for the in-flight step's sampled tokens, not for the next step's input copies queued after them: on a
 GPU busy with other work (another process time-slicing it, an MPS server cleaning up a killed client) those
@@ -25,8 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
+from pdserve.core.parallel import tp_group
 from pdserve.core.request import Request
 from pdserve.kernels.attention import AttentionMetadata
 
@@ -54,6 +59,9 @@ class DecodeBatch:
         # What row i of the host block table holds: (request, its blocks_epoch, number of its blocks).
         self._rows: list[tuple[Request | None, int, int]] = [(None, 0, 0)] * max_batch
         self._copied = None if on_host else torch.cuda.Event()  # recorded after each load's copies to the device
+        self._tables_dirty = False  # the staged block tables differ from the device's
+        self.table_changes: list[list[int]] | None = None
+        """Rank 0 of a TP group: the block-table rows stage() rewrote, for the other ranks (record_tables)."""
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -69,6 +77,12 @@ class DecodeBatch:
 
         sampled_rows[i] >= 0: request i's next token is not on the host yet; it is sampled[sampled_rows[i]].
         """
+        lens = self.stage(reqs, padded, sampled_rows)
+        self.upload(len(reqs), padded, sampled_rows is not None)
+        return lens
+
+    def stage(self, reqs: Sequence[Request], padded: int, sampled_rows: Sequence[int] | None = None) -> list[int]:
+        """load()'s host half: the rows written into the host staging, nothing on the device yet."""
         n = len(reqs)
         assert n <= padded <= self.max_batch, f"batch {n} padded to {padded} exceeds {self.max_batch} rows"
         if self._copied is not None:
@@ -89,11 +103,48 @@ class DecodeBatch:
         seq_lens[n:padded] = 0
         for i in range(n, padded):
             tables_dirty |= self._clear_row(i)
-        self._to_device(padded, tables_dirty)
-        if sampled_rows is not None:
+        self._tables_dirty = tables_dirty
+        return lens
+
+    def upload(self, n: int, padded: int, gathers: bool) -> None:
+        """load()'s device half: copy the staged rows to the device; `gathers`: rows take their id from
+        `sampled` (rank 0's, in a TP group: every rank reads the tokens rank 0 sampled)."""
+        self._to_device(padded, self._tables_dirty)
+        if gathers:
+            tp_group().broadcast(self.sampled)
             gathered = torch.index_select(self.sampled, 0, self.ids_pos[2, :n], out=self._gathered[:n])
             self.ids_pos[0, :n].add_(gathered)
-        return lens
+
+    def staged_rows(self, padded: int) -> tuple[np.ndarray, np.ndarray]:
+        """The host staging of rows [0, padded): ([3, padded] int64 ids, positions, sampled rows; [padded] int32
+        sequence lengths), as stage() left it (what another rank's stage_rows takes)."""
+        return self._ids_pos_np[:, :padded], self._seq_lens_np[:padded]
+
+    def take_table_changes(self) -> list[list[int]]:
+        """The block-table rows stage() rewrote since the last call, as [row, start, *block ids from start]
+        (record_tables must be on)."""
+        assert self.table_changes is not None, "record_tables() was not called"
+        changes, self.table_changes = self.table_changes, []
+        return changes
+
+    def record_tables(self) -> None:
+        """From now on stage() records which block-table rows it rewrites (take_table_changes)."""
+        self.table_changes = []
+
+    def stage_rows(
+        self, n: int, ids_pos: np.ndarray, seq_lens: np.ndarray, table_changes: list[list[int]]
+    ) -> list[int]:
+        """Another rank's staged rows [0, padded) (staged_rows, take_table_changes) as our staging: the same
+        batch, row for row. Returns the sequence lengths of its first n rows (the rest are padding)."""
+        padded = seq_lens.shape[0]
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._ids_pos_np[:, :padded] = ids_pos
+        self._seq_lens_np[:padded] = seq_lens
+        for row, start, *blocks in table_changes:
+            self._tables_np[row, start : start + len(blocks)] = blocks
+        self._tables_dirty = bool(table_changes)
+        return seq_lens[:n].tolist()
 
     def _load_row(self, row: int, req: Request) -> bool:
         blocks = req.block_ids
@@ -103,6 +154,8 @@ class DecodeBatch:
             return False
         self._tables_np[row, start : len(blocks)] = blocks[start:]
         self._rows[row] = (req, req.blocks_epoch, len(blocks))
+        if self.table_changes is not None:
+            self.table_changes.append([row, start, *blocks[start:]])
         return True
 
     def _clear_row(self, row: int) -> bool:
@@ -110,6 +163,8 @@ class DecodeBatch:
             return False
         self._tables_np[row, 0] = 0
         self._rows[row] = (None, 0, 0)
+        if self.table_changes is not None:
+            self.table_changes.append([row, 0, 0])
         return True
 
     def _to_device(self, padded: int, tables_dirty: bool) -> None:

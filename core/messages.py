@@ -300,6 +300,85 @@ class KvSnapshotEvent:
     """Every hash cached; NOTE: ~9 bytes each on the wire, so MAX_MESSAGE_BYTES holds ~7M blocks."""
 
 
+@dataclass(frozen=True)
+class RankPassCmd:
+    """Rank 0 -> the other ranks of its worker's TP group: run the general (prefill or mixed) pass rank 0 runs
+    now, on the same inputs (core/rank_pass.py)."""
+
+    TAG: ClassVar[str] = "rank_pass"
+    copies: list[list[int]]
+    """[source ids, destination ids] of the block copies (copy-on-write) before the pass, or []."""
+    arrays: list[bytes]
+    """The pass's host inputs (core/prefill_graphs.py HostInputs), each array's bytes in field order."""
+    num_seqs: int
+
+
+@dataclass(frozen=True)
+class RankDecodeCmd:
+    """Rank 0 -> the other ranks of its TP group: run the decode pass whose rows rank 0 staged
+    (core/decode_batch.py)."""
+
+    TAG: ClassVar[str] = "rank_decode"
+    copies: list[list[int]]
+    num_seqs: int
+    ids_pos: bytes
+    """[3, padded] int64: token ids, positions, rows of the sampled tokens."""
+    seq_lens: bytes
+    """[padded] int32."""
+    table_changes: list[list[int]]
+    """[row, start, *block ids from start] of each block-table row rank 0 rewrote."""
+    gathers: bool
+    """Rows take their token from the last step's sampled tokens (broadcast by rank 0)."""
+
+
+@dataclass(frozen=True)
+class RankPullCmd:
+    """Rank 0 of a decode group -> its other ranks: pull your KV heads of these blocks (ids of the prefill
+    worker's pool and of ours; our pools share one block table)."""
+
+    TAG: ClassVar[str] = "rank_pull"
+    pull_id: int
+    prefill_worker: int
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class RankOpenCmd:
+    """Rank 0 of a decode group -> its other ranks: open this prefill worker's pool (a handshake's descriptor)."""
+
+    TAG: ClassVar[str] = "rank_open"
+    prefill_worker: int
+    descriptor: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RankStopCmd:
+    """Rank 0 -> its other ranks: the worker stops; leave the group and exit."""
+
+    TAG: ClassVar[str] = "rank_stop"
+
+
+@dataclass(frozen=True)
+class RankReadyEvent:
+    """A rank > 0 -> rank 0, once: loaded, warmed up, serving; the descriptors of its KV pool (prefill)."""
+
+    TAG: ClassVar[str] = "rank_ready"
+    tp_rank: int
+    pid: int
+    descriptors: dict[str, Any] = field(default_factory=dict)
+    """transport -> this rank's source descriptor (kvtransfer.base), or why it cannot open ({"error": ...})."""
+
+
+@dataclass(frozen=True)
+class RankPullDoneEvent:
+    """A decode rank > 0 -> rank 0: these pulls' copies have finished on this rank."""
+
+    TAG: ClassVar[str] = "rank_pull_done"
+    tp_rank: int
+    pull_ids: list[int]
+
+
 Message = (
     GenerateCmd
     | AbortCmd
@@ -315,6 +394,13 @@ Message = (
     | KvEventBatchEvent
     | KvSnapshotCmd
     | KvSnapshotEvent
+    | RankPassCmd
+    | RankDecodeCmd
+    | RankPullCmd
+    | RankOpenCmd
+    | RankStopCmd
+    | RankReadyEvent
+    | RankPullDoneEvent
 )
 _TYPES: dict[str, type] = {
     t.TAG: t
@@ -333,6 +419,13 @@ _TYPES: dict[str, type] = {
         KvEventBatchEvent,
         KvSnapshotCmd,
         KvSnapshotEvent,
+        RankPassCmd,
+        RankDecodeCmd,
+        RankPullCmd,
+        RankOpenCmd,
+        RankStopCmd,
+        RankReadyEvent,
+        RankPullDoneEvent,
     )
 }
 _NESTED = {"sampling": Sampling, "timings": Timings}

@@ -11,13 +11,16 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from pdserve.core.config import EngineConfig
 from pdserve.core.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pdserve.core.decode_batch import DecodeBatch
+from pdserve.core.messages import RankDecodeCmd, RankPassCmd
 from pdserve.core.models import interleave_mlp_weights, load_model
 from pdserve.core.parallel import tp_group
 from pdserve.core.prefill_graphs import PREFILL_GRAPH_SEQS, HostInputs, PrefillGraphs
+from pdserve.core.rank_pass import copies_of, decode_cmd, host_inputs, pass_cmd, stage_decode
 from pdserve.core.request import Request
 from pdserve.core.sampler import SamplingState
 from pdserve.core.sampling_params import SamplingParams
@@ -47,7 +50,9 @@ def resolve_num_blocks(cfg: EngineConfig, device: torch.device) -> int:
         budget = int(free * cfg.cache.memory_fraction)
     else:
         budget = int(cfg.cache.max_cpu_kv_bytes * cfg.cache.memory_fraction)
-    return max(2, budget // kv_bytes_per_block(cfg))
+    num_blocks = torch.tensor([max(2, budget // kv_bytes_per_block(cfg))], device=device)
+    # NOTE: one block table serves every rank of a TP group: each rank's pool gets the fewest any rank fits
+    return int(tp_group().all_reduce(num_blocks, dist.ReduceOp.MIN).item())
 
 
 KVAllocator = Callable[[int], torch.Tensor]
@@ -175,6 +180,14 @@ class ModelRunner:
             self.graphs = self._capture_graphs() if self._uses_graphs() and cfg.capture_decode else None
         with phase("prefill graphs"):
             self.prefill_graphs = self._capture_prefill_graphs(max_blocks) if self._uses_graphs() else None
+        self.fanout: Callable[[RankPassCmd | RankDecodeCmd], None] | None = None
+        """Rank 0 of a TP group (core/rank_group.py): sends each pass to the other ranks before running it."""
+
+    def lead(self, fanout: Callable[[RankPassCmd | RankDecodeCmd], None]) -> None:
+        """Rank 0 of a TP group, once the other ranks are as warmed up as we are: fanout(cmd) takes every pass
+        to them from now on (their decode batches then follow ours row for row)."""
+        self.decode_batch.record_tables()
+        self.fanout = fanout
 
     def _uses_triton(self) -> bool:
         if self.device.type != "cuda":
@@ -237,7 +250,7 @@ class ModelRunner:
         self.num_forward_calls = self.num_forward_tokens = 0
 
     @torch.inference_mode()
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
         """kv[:, dst] = kv[:, src] in every layer (one indexed copy per layer)."""
         src_t = torch.tensor(src, device=self.device)
         dst_t = torch.tensor(dst, device=self.device)
@@ -248,15 +261,38 @@ class ModelRunner:
         """Run plan.chunks through the model; [num_sampling_chunks, vocab] float32 logits, in chunk order.
 
         sampled_rows (decode passes only): see DecodeBatch.load; the engine's in-flight tokens.
+        Rank 0 of a TP group sends the pass to the other ranks (fanout) before it runs it.
         """
-        if plan.copies:
-            self.copy_blocks([c.src for c in plan.copies], [c.dst for c in plan.copies])
+        copies = copies_of([c.src for c in plan.copies], [c.dst for c in plan.copies])
+        if copies:
+            self.copy_blocks(*copies)
         self.num_forward_calls += 1
         self.num_forward_tokens += plan.num_tokens
         if is_decode_pass(plan.chunks):
-            return self._execute_decode(plan.chunks, sampled_rows)
+            reqs = [c.req for c in plan.chunks]
+            n, padded = len(reqs), self._padded(len(reqs))
+            seq_lens = self.decode_batch.stage(reqs, padded, sampled_rows)
+            if self.fanout is not None:
+                self.fanout(decode_cmd(self.decode_batch, n, padded, sampled_rows is not None, copies))
+            return self._run_decode(n, padded, seq_lens, sampled_rows is not None)
         assert sampled_rows is None, "only a decode pass takes tokens that are still on the device"
         host = self._host_inputs(plan)
+        if self.fanout is not None:
+            self.fanout(pass_cmd(host, copies))
+        return self._run_pass(host)
+
+    @torch.inference_mode()
+    def replay(self, cmd: RankPassCmd | RankDecodeCmd) -> None:
+        """Run the pass rank 0 of our TP group sent (a rank > 0); its logits are rank 0's business."""
+        if cmd.copies:
+            self.copy_blocks(*cmd.copies)
+        if isinstance(cmd, RankDecodeCmd):
+            seq_lens = stage_decode(self.decode_batch, cmd)
+            self._run_decode(cmd.num_seqs, len(cmd.seq_lens) // 4, seq_lens, cmd.gathers)
+        else:
+            self._run_pass(host_inputs(cmd))
+
+    def _run_pass(self, host: HostInputs) -> torch.Tensor:  # [num_sampling, vocab] float32
         graphs = self.prefill_graphs
         if graphs is not None and graphs.fits(len(host.ids), len(host.seq_lens), host.tables.shape[1]):
             return graphs.run(host)
@@ -264,15 +300,17 @@ class ModelRunner:
         self.backend.prepare(dev.meta)
         return self._prefill_forward(dev.ids, dev.positions, dev.meta)
 
-    def _execute_decode(
-        self, chunks: list[ScheduledChunk], sampled_rows: Sequence[int] | None
-    ) -> torch.Tensor:  # [batch, vocab] float32
-        """A decode pass on the persistent inputs: a CUDA graph replay when one holds the batch."""
-        n, batch = len(chunks), self.decode_batch
-        graphs = self.graphs if self.graphs is not None and n <= self.graphs.max_size else None
-        seq_lens = batch.load([c.req for c in chunks], graphs.padded_size(n) if graphs else n, sampled_rows)
-        if graphs is not None:
-            return graphs.replay(n)
+    def _padded(self, n: int) -> int:
+        """Rows of a decode pass of n: the graph's batch size that holds it, else n."""
+        graphs = self.graphs
+        return graphs.padded_size(n) if graphs is not None and n <= graphs.max_size else n
+
+    def _run_decode(self, n: int, padded: int, seq_lens: list[int], gathers: bool) -> torch.Tensor:  # [n, vocab]
+        """A decode pass on the persistent inputs (staged): a CUDA graph replay when one holds the batch."""
+        batch = self.decode_batch
+        batch.upload(n, padded, gathers)
+        if self.graphs is not None and n <= self.graphs.max_size:
+            return self.graphs.replay(n)
         meta = batch.metadata(n, seq_lens)
         self.backend.prepare(meta)
         return self._decode_forward(batch.input_ids[:n], batch.positions[:n], meta)

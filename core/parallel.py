@@ -65,10 +65,16 @@ class TPGroup:
     def __init__(self, rank: int = 0, size: int = 1, group: dist.ProcessGroup | None = None) -> None:
         self.rank, self.size, self.group = rank, size, group
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of x over the ranks, in place."""
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """The sum (or op) of x over the ranks, in place."""
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            dist.all_reduce(x, op=op, group=self.group)
+        return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x on every rank, in place."""
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, size * d], rank order

@@ -26,6 +26,7 @@ from pdserve.core.messages import (
     HeartbeatEvent,
     KvSnapshotCmd,
     Message,
+    RankReadyEvent,
     RequestErrorEvent,
     Sampling,
     Timings,
@@ -33,6 +34,8 @@ from pdserve.core.messages import (
     unpack_token_ids,
 )
 from pdserve.core.metrics import WorkerMetrics
+from pdserve.core.parallel import close_tp_group
+from pdserve.core.rank_group import RankGroup
 from pdserve.core.step_timer import StepTimer
 from pdserve.kernels.jit_watch import JitWatch
 
@@ -61,8 +64,12 @@ class WorkerBase:
 
     role: Role
 
-    def __init__(self, worker_id: int, run_dir: str, inbox_addr: str, heartbeat_interval: float) -> None:
+    def __init__(
+        self, worker_id: int, run_dir: str, inbox_addr: str, heartbeat_interval: float, group: RankGroup | None = None
+    ) -> None:
         self.worker_id = worker_id
+        self.group = group
+        """The other ranks of this worker's TP group (None at TP size 1): they run every pass we run."""
         self.run_dir = run_dir
         self.incarnation = uuid.uuid4().hex
         self.ctx = zmq.Context()
@@ -70,6 +77,8 @@ class WorkerBase:
         self.to_router = ipc.connect_push(self.ctx, ipc.router_addr(run_dir))
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
+        if group is not None:
+            self.poller.register(group.events, zmq.POLLIN)
         self.heartbeat_interval = heartbeat_interval
         self.busy_poll_s = 0.0
         """After any work the loop polls without sleeping for this long before it blocks, so a request that
@@ -102,7 +111,16 @@ class WorkerBase:
         return f" {age:.2f} s after its process started: {phases}"
 
     def handle_socket(self, sock: zmq.Socket) -> None:
-        """Messages on sockets other than the inbox (subclasses register them with the poller)."""
+        """Messages on sockets other than the inbox and the TP ranks' (subclasses register them)."""
+
+    def join_group(self) -> dict[int, RankReadyEvent]:
+        """Once our engine is warmed up: wait for the other ranks of the TP group (they built theirs in step with
+        ours), then send them every pass. Their ready events by rank ({} at TP size 1)."""
+        if self.group is None:
+            return {}
+        ready = self.group.wait_ready()
+        self.engine.runner.lead(self.group.send)
+        return ready
 
     def after_step(self) -> None:
         """Per-iteration housekeeping (lease expiry, retries)."""
@@ -166,6 +184,7 @@ class WorkerBase:
             num_waiting=len(sched.waiting),
             counters=self.counters(),
             layout=self.layout_fingerprint(),
+            ranks=[os.getpid(), *self.group.pids] if self.group is not None else [],
         )
 
     def layout_fingerprint(self) -> dict[str, Any]:
@@ -216,6 +235,8 @@ class WorkerBase:
                 if sock is self.inbox:
                     for msg in ipc.recv_all(self.inbox):
                         self._safe_handle(msg)
+                elif self.group is not None and sock is self.group.events:
+                    self.group.handle_events()
                 else:
                     self.handle_socket(sock)
             if self.engine.has_unfinished():
@@ -256,4 +277,7 @@ class WorkerBase:
         self._heartbeat_stop.set()
         if self._heartbeat_thread.is_alive():
             self._heartbeat_thread.join(timeout=2.0)
+        if self.group is not None:
+            self.group.close()
+            close_tp_group()
         self.ctx.destroy(linger=0)

@@ -37,6 +37,7 @@ from pdserve.core.messages import (
     HandshakeCmd,
     HandshakeEvent,
     Message,
+    RankOpenCmd,
     ReleaseCmd,
     RequestErrorEvent,
     Sampling,
@@ -47,6 +48,7 @@ from pdserve.core.messages import (
     unpack_block_hashes,
     unpack_token_ids,
 )
+from pdserve.core.rank_group import RankGroup
 from pdserve.core.sampler import SamplingState
 from pdserve.core.worker_base import WorkerBase
 from pdserve.kvtransfer.base import AUTO, TRANSPORTS, KVTransferError, KVTransferSink, PullHandle, make_sink
@@ -59,6 +61,8 @@ HANDSHAKE_TIMEOUT_S = 10.0
 RECENT_ABORTS = 4096
 CLOSE_LINGER_MS = 100
 """How long the releases sent at shutdown may take to leave."""
+GROUP_PULL_WAIT_S = 5.0
+"""How long a shutdown waits for the other TP ranks' copies of a pull before it leaves the lease to expire."""
 CLOSE_SEND_WAIT_MS = 20
 """How long a release at shutdown waits for its prefill worker's connection (a dead one costs this much)."""
 
@@ -68,10 +72,25 @@ class _Peer(NamedTuple):
     release: zmq.Socket
 
 
+class GroupPullHandle:
+    """A pull on every rank of our TP group: done once our copy and every other rank's have finished."""
+
+    def __init__(self, local: PullHandle, group: RankGroup, pull_id: int) -> None:
+        self.local, self.group, self.pull_id = local, group, pull_id
+
+    def done(self) -> bool:
+        return self.local.done() and self.group.pull_done(self.pull_id)
+
+    def wait(self) -> None:
+        self.local.wait()
+        if not self.group.wait_pull(self.pull_id, GROUP_PULL_WAIT_S):
+            raise RuntimeError(f"TP ranks did not finish pull {self.pull_id} within {GROUP_PULL_WAIT_S} s")
+
+
 class _PendingRelease(NamedTuple):
     """A handoff whose blocks are being copied: its lease is released once handle is done."""
 
-    handle: PullHandle
+    handle: PullHandle | GroupPullHandle
     cmd: HandoffCmd
 
 
@@ -96,12 +115,14 @@ class DecodeWorker(WorkerBase):
         num_prefill: int,
         transport: str,
         heartbeat_interval: float = 0.25,
+        group: RankGroup | None = None,
     ) -> None:
-        super().__init__(worker_id, run_dir, ipc.decode_addr(run_dir, worker_id), heartbeat_interval)
+        super().__init__(worker_id, run_dir, ipc.decode_addr(run_dir, worker_id), heartbeat_interval, group)
         self.cfg = cfg
         self.kv_pool: KVPool | None = None
         self.engine = Engine(cfg, kv_allocator=self._allocate_pool)
         self.warm_up()
+        self.join_group()
         self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
         assert self.kv_pool is not None
         self.transport: str = transport  # one of TRANSPORTS, or AUTO: whatever each prefill worker's descriptor names
@@ -288,12 +309,16 @@ class DecodeWorker(WorkerBase):
         if not isinstance(exc, StalePoolError):  # NOTE: its lease id may name another lease of the new pool
             self._release(cmd)
 
-    def _pull(self, cmd: HandoffCmd, dst: Adoption) -> PullHandle:
-        """Enqueue the copy of the blocks of cmd we do not hold into dst (none: a done handle). NOTE: admitted
-        only once the handshake with cmd's pool is done (_admit_waiting)."""
+    def _pull(self, cmd: HandoffCmd, dst: Adoption) -> PullHandle | GroupPullHandle:
+        """Enqueue the copy of the blocks of cmd we do not hold into dst (none: a done handle), on every rank of
+        our TP group. NOTE: admitted only once the handshake with cmd's pool is done (_admit_waiting)."""
         if not dst.dst:
             return PullHandle()
-        return self.sink_of[cmd.prefill_worker].pull(cmd.prefill_worker, dst.sources(cmd.block_ids), dst.dst)
+        src = dst.sources(cmd.block_ids)
+        local = self.sink_of[cmd.prefill_worker].pull(cmd.prefill_worker, src, dst.dst)
+        if self.group is None:
+            return local
+        return GroupPullHandle(local, self.group, self.group.pull(cmd.prefill_worker, src, dst.dst))
 
     def _release(self, cmd: HandoffCmd, wait_ms: int = 200) -> None:
         ipc.send(self.to_prefill[cmd.prefill_worker], ReleaseCmd(self.worker_id, [cmd.lease_id], cmd.pool_id), wait_ms)
@@ -361,6 +386,8 @@ class DecodeWorker(WorkerBase):
             raise KVTransferError(f"prefill worker {prefill_worker} refused the handshake: {reply.error}")
         sink = self._sink(reply.descriptor.get("transport"), prefill_worker)
         sink.open(prefill_worker, reply.descriptor)  # NOTE: checks the descriptor's layout against ours
+        if self.group is not None:
+            self.group.send(RankOpenCmd(prefill_worker, reply.descriptor))
         self.sink_of[prefill_worker] = sink
         self.peers[prefill_worker] = reply.pool_id
         log.info("KV transport %s with prefill worker %d", sink.transport, prefill_worker)

@@ -4,13 +4,17 @@ import argparse
 import sys
 
 from pdserve.core.config import EngineConfig
+from pdserve.core.rank_group import RankGroup
 from pdserve.core.worker_main import main
+from pdserve.prefill_worker.rank import PrefillRank
 from pdserve.prefill_worker.worker import PrefillWorker
 
 
-def _build(cfg: EngineConfig, args: argparse.Namespace) -> PrefillWorker:
-    return PrefillWorker(cfg, args.worker_id, args.run_dir, args.num_decode, args.transport, args.heartbeat_interval)
+def _build(cfg: EngineConfig, args: argparse.Namespace, group: RankGroup | None) -> PrefillWorker:
+    return PrefillWorker(
+        cfg, args.worker_id, args.run_dir, args.num_decode, args.transport, args.heartbeat_interval, group=group
+    )
 
 
 if __name__ == "__main__":
-    sys.exit(main("prefill", _build))
+    sys.exit(main("prefill", _build, PrefillRank))

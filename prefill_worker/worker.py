@@ -32,8 +32,16 @@ from pdserve.core.messages import (
     pack_token_ids,
     params_to_sampling,
 )
+from pdserve.core.rank_group import RankGroup
 from pdserve.core.worker_base import WorkerBase
-from pdserve.kvtransfer.base import AUTO, KVTransferError, KVTransferSource, make_source, pair_transport
+from pdserve.kvtransfer.base import (
+    AUTO,
+    KVTransferError,
+    KVTransferSource,
+    make_source,
+    merge_descriptors,
+    pair_transport,
+)
 from pdserve.kvtransfer.layout import KVLayout, LayoutMismatchError, check_compatible
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool, remove_stale_segments
@@ -62,8 +70,9 @@ class PrefillWorker(WorkerBase):
         transport: str,
         heartbeat_interval: float = 0.25,
         lease_ttl: float = 30.0,
+        group: RankGroup | None = None,
     ) -> None:
-        super().__init__(worker_id, run_dir, ipc.prefill_addr(run_dir, worker_id), heartbeat_interval)
+        super().__init__(worker_id, run_dir, ipc.prefill_addr(run_dir, worker_id), heartbeat_interval, group)
         self.transport = transport  # one of TRANSPORTS, or AUTO: per decode worker (kvtransfer.base.pair_transport)
         self.lease_ttl = lease_ttl
         self.cfg = cfg
@@ -76,6 +85,8 @@ class PrefillWorker(WorkerBase):
         # NOTE: a prefill worker hands requests off after their first token: it captures prefill graphs only.
         self.engine = Engine(dataclasses.replace(cfg, capture_decode=False), kv_allocator=self._allocate_pool)
         self.warm_up()
+        self.rank_descriptors: list[dict[str, Any]] = [e.descriptors for _, e in sorted(self.join_group().items())]
+        """transport -> descriptor of each other rank of our TP group, in rank order."""
         self.layout = KVLayout.from_engine_config(cfg, self.engine.runner.num_blocks)
         assert self.kv_pool is not None
         log.info("KV transport %s, %d blocks of %d tokens", transport, self.layout.num_blocks, self.layout.block_size)
@@ -147,6 +158,8 @@ class PrefillWorker(WorkerBase):
         assert self.kv_pool is not None
         for kind in dict.fromkeys([transport] if transport != AUTO else self.pair_kinds):
             try:
+                if self.rank_descriptors and not all(kind in d for d in self.rank_descriptors):
+                    raise KVTransferError(f"the {kind} transport cannot move the KV of a TP group")
                 self.sources[kind] = make_source(kind, self.kv_pool, self.host)
             except (RuntimeError, ValueError, OSError) as exc:
                 if transport != AUTO:
@@ -167,7 +180,9 @@ class PrefillWorker(WorkerBase):
             if not isinstance(msg.fingerprint, dict):
                 raise MessageError(f"fingerprint is {type(msg.fingerprint).__name__}, not a mapping")
             check_compatible(self.fingerprint, msg.fingerprint)
-            descriptor = self._source_for(msg.decode_worker).descriptor()
+            source = self._source_for(msg.decode_worker)
+            ranks = [d[source.transport] for d in self.rank_descriptors]
+            descriptor = merge_descriptors([source.descriptor(), *ranks]) if ranks else source.descriptor()
             return HandshakeEvent(ok=True, descriptor=descriptor, pool_id=self.incarnation)
         except (MessageError, LayoutMismatchError, KVTransferError) as exc:
             log.error("refused a handshake: %s", exc)

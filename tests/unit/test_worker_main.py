@@ -12,7 +12,12 @@ import torch
 from pdserve.core import worker_main
 from pdserve.core.config import EngineConfig
 from pdserve.core.lifecycle import STARTUP_ERROR_EXIT
+from pdserve.core.rank_follower import RankFollower
 from pdserve.core.worker_base import WorkerBase
+
+
+def _no_ranks(cfg: EngineConfig, args: argparse.Namespace) -> RankFollower:
+    raise AssertionError("TP size 1 starts no other rank")
 
 
 @pytest.fixture
@@ -27,15 +32,15 @@ def test_cpu_threads_are_set_before_the_engine_is_built(
 ) -> None:
     seen: list[int] = []
 
-    def factory(cfg: EngineConfig, args: argparse.Namespace) -> WorkerBase:
+    def factory(cfg: EngineConfig, args: argparse.Namespace, group: object) -> WorkerBase:
         seen.append(torch.get_num_threads())
         raise ValueError("stop here")
 
     common = ["--model", str(tiny_llama_dir), "--worker-id", "0", "--run-dir", str(tmp_path)]
     want = 3 if torch_threads != 3 else 2
-    assert worker_main.main("prefill", factory, [*common, "--cpu-threads", str(want)]) == STARTUP_ERROR_EXIT
+    assert worker_main.main("prefill", factory, _no_ranks, [*common, "--cpu-threads", str(want)]) == STARTUP_ERROR_EXIT
     assert seen == [want]
     assert "cannot start: stop here" in capsys.readouterr().err
     torch.set_num_threads(torch_threads)
-    worker_main.main("prefill", factory, [*common, "--cpu-threads", "0"])  # 0: torch's default is left alone
+    worker_main.main("prefill", factory, _no_ranks, [*common, "--cpu-threads", "0"])  # 0: torch's default is left alone
     assert seen == [want, torch_threads]
