@@ -13,7 +13,7 @@ from pdserve.core.busy_poll import busy_poll_seconds
 from pdserve.core.config import EngineConfig
 from pdserve.core.model_runner import ModelRunner
 from pdserve.core.rank_follower import RankFollower
-from pdserve.kvtransfer.base import make_source, pair_transport
+from pdserve.kvtransfer.base import KVTransferSource, make_source, pair_transport
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool
 
@@ -32,7 +32,7 @@ class PrefillRank(RankFollower):
         if self.device.type == "cuda":
             self.runner.warmup()
         assert self.kv_pool is not None
-        self.source = make_source(self.kind, self.kv_pool)
+        self.source: KVTransferSource = make_source(self.kind, self.kv_pool)
 
     def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
         layout = KVLayout.from_engine_config(self.cfg, num_blocks)

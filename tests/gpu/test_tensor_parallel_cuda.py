@@ -7,12 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
+from pdserve.core import parallel
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.core.engine import Engine
+from pdserve.core.parallel import ParallelConfig
 from pdserve.core.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, random_prompts
 from tests.unit.test_tensor_parallel import NEW_TOKENS, tp_greedy
+
+BF16_TOLERANCE = 2e-2
+"""Relative L2 error of bf16 logits against fp32 (the bf16 kernels' tolerance, tests/kernels)."""
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,3 +42,36 @@ def test_engine_at_tp_2_on_two_gpus_matches_tp_1_and_transformers(
     torch.cuda.empty_cache()
     assert tp_greedy(model_dir, prompts, 2, tmp_path, device="cuda", eager=eager) == reference
     assert reference == hf_greedy(model_dir, prompts, NEW_TOKENS)
+
+
+def _logits_rank(rank: int, size: int, model_dir: str, prompts: list[list[int]], out: str) -> None:
+    """A bf16 engine's first pass over prompts at TP size (rank r on GPU r); rank 0 saves the last-token logits."""
+    pc = ParallelConfig(size, rank)
+    device = f"cuda:{rank}"
+    parallel.init_tp_group(pc, f"file://{out}.rendezvous", torch.device(device))
+    model = ModelConfig.from_pretrained(model_dir, dtype="bfloat16")
+    engine = Engine(EngineConfig(model, CacheConfig(num_blocks=128), device=device, parallel=pc))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    logits = engine.runner.execute(engine.scheduler.schedule())  # [len(prompts), vocab] float32
+    if rank == 0:
+        torch.save(logits.cpu(), out)
+    parallel.close_tp_group()
+
+
+def test_bf16_logits_at_tp_2_within_tolerance_of_transformers_fp32(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """TP 2 in bf16 is as close to transformers' fp32 logits as TP 1 in bf16 is (relative L2 error per prompt)."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = random_prompts(1024, [3, 17, 40, 200], seed=82)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).cuda().eval()  # type: ignore[call-arg]
+    with torch.no_grad():
+        ref = torch.stack([hf(torch.tensor([p], device="cuda")).logits[0, -1].cpu() for p in prompts])
+    errors = {}
+    for size in (1, 2):
+        out = tmp_path / f"logits-tp{size}.pt"
+        mp.spawn(_logits_rank, args=(size, str(tiny_llama_dir), prompts, str(out)), nprocs=size, join=True)
+        got = torch.load(out)
+        errors[size] = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+    print(f"bf16 logits, max relative L2 error vs transformers fp32: {errors}")
+    assert errors[2] < BF16_TOLERANCE and errors[1] < BF16_TOLERANCE
