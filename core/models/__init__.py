@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -14,8 +17,12 @@ _BUILDERS = {"llama": llama.build, "gpt2": gpt2.build}
 
 
 def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str) -> nn.Module:
-    """Build the model on `device` in cfg.dtype and fill its weights (checkpoint or seeded dummy)."""
-    with torch.device(device):
+    """Build the model on `device` in cfg.dtype and fill its weights (checkpoint or seeded dummy).
+
+    NOTE: parameters are made in cfg.dtype (a 32B model's shard made in float32 and then cast took twice its
+    bf16 bytes at the peak); the rope tables are computed in float32 explicitly and cast by the .to() after.
+    """
+    with torch.device(device), _default_dtype(cfg.torch_dtype):
         model: nn.Module = _BUILDERS[cfg.arch](cfg, backend)
     model.to(dtype=cfg.torch_dtype)
     model.eval().requires_grad_(False)
@@ -27,6 +34,16 @@ def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device
     if missing:
         raise ValueError(f"checkpoint {cfg.path} lacks parameters: {sorted(missing)[:5]}")
     return model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def interleave_mlp_weights(model: nn.Module) -> int:
