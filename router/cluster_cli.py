@@ -2,9 +2,9 @@
 (router/supervisor.py); with --colocated, the router and M decode workers that prefill their own requests.
 
 The launcher's own flags are the cluster-level ones below; it hands model, run dir, log level, busy-poll window
-and block size to every process and sets each one's plumbing (--worker-id, --num-prefill, ports). Any other
-flag goes to the processes whose own parser defines it (router/cluster_flags.py), and every process's final
-command line is checked with its parser before the first one starts.
+and block size to every process and sets each one's plumbing (--worker-id, --num-prefill, ports, its role's
+--tp-size). Any other flag goes to the processes whose own parser defines it (router/cluster_flags.py), and
+every process's final command line is checked with its parser before the first one starts.
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cpu-threads",
         type=int,
         default=None,
-        help="torch's CPU threads per worker (default: this host's cores / the workers started here, at least 1)",
+        help="torch's CPU threads per process (default: this host's cores / the TP ranks of the workers started "
+        "here, at least 1)",
     )
     _add_placement_args(p)
     return p
@@ -97,9 +98,25 @@ def _add_placement_args(p: argparse.ArgumentParser) -> None:
         help="MPS SM partitioning between roles sharing a GPU (auto: on for --device cuda)",
     )
     p.add_argument("--mps-split", default="50/50", help="SM share in percent, prefill/decode (default 50/50)")
-    p.add_argument("--prefill-gpus", default=None, help="GPUs of the prefill workers, e.g. 0 or 0,1 (round robin)")
     p.add_argument(
-        "--decode-gpus", default=None, help="GPUs of the decode workers; MPS (auto) only where roles share a GPU"
+        "--tp",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks (processes, one GPU each on CUDA) of each worker of a role without its own "
+        "flag below (default 1); with --colocated, the decode workers'",
+    )
+    p.add_argument("--prefill-tp", type=int, default=None, help="TP ranks of each prefill worker (default --tp)")
+    p.add_argument("--decode-tp", type=int, default=None, help="TP ranks of each decode worker (default --tp)")
+    p.add_argument(
+        "--prefill-gpus",
+        default=None,
+        help="GPUs of the prefill workers, e.g. 0 or 0,1: cut into groups of --prefill-tp, one group per worker "
+        "(round robin)",
+    )
+    p.add_argument(
+        "--decode-gpus",
+        default=None,
+        help="GPUs of the decode workers, in groups of --decode-tp; MPS (auto) only where roles share a GPU",
     )
     p.add_argument(
         "--topology",
@@ -127,7 +144,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--decode must be >= 1")
     try:
         args.topology_hosts = read_topology(Path(args.topology), args.prefill, args.decode) if args.topology else None
-        gpu_lists(args.prefill_gpus), gpu_lists(args.decode_gpus)
+        args.prefill_tp, args.decode_tp = _tp_sizes(args)
+        prefill_gpus, decode_gpus = gpu_lists(args.prefill_gpus), gpu_lists(args.decode_gpus)
+        args.gpus = placement(prefill_gpus, decode_gpus, args.prefill, args.decode, args.prefill_tp, args.decode_tp)
         args.mps_shares = _mps_shares(args.mps_split)
     except ValueError as exc:
         p.error(str(exc))
@@ -135,6 +154,19 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.wanted = {r.strip() for r in args.roles.split(",") if r.strip()} if args.roles else names
     if unknown := args.wanted - names:
         p.error(f"--roles: unknown roles {sorted(unknown)}")
+
+
+def _tp_sizes(args: argparse.Namespace) -> tuple[int, int]:
+    """(prefill, decode) TP sizes: each role's own flag, else --tp, else 1; ValueError naming the flag."""
+    if args.colocated and args.prefill_tp is not None:
+        raise ValueError("--prefill-tp: --colocated has no prefill workers (--tp / --decode-tp size the others)")
+    default = 1 if args.tp is None else args.tp
+    prefill = default if args.prefill_tp is None else args.prefill_tp
+    decode = default if args.decode_tp is None else args.decode_tp
+    for flag, size in (("--tp", default), ("--prefill-tp", prefill), ("--decode-tp", decode)):
+        if size < 1:
+            raise ValueError(f"{flag} must be >= 1 (got {size})")
+    return prefill, decode
 
 
 def _mps_shares(split: str) -> tuple[int, int]:
@@ -180,13 +212,20 @@ def build_children(args: argparse.Namespace, run_dir: Path) -> list[Child]:
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             offset = 1 + i + (args.prefill if role == "decode" else 0)
-            argv = [py, "-m", f"pdserve.{role}_worker", *worker, "--worker-id", str(i), *_metrics_flag(args, offset)]
+            argv = [py, "-m", f"pdserve.{role}_worker", *worker, "--tp-size", str(tp_size(args, role))]
+            argv += ["--worker-id", str(i), *_metrics_flag(args, offset)]
             children.append(Child(f"{role}-{i}", argv, logs / f"{role}-{i}.log"))
     return children
 
 
+def tp_size(args: argparse.Namespace, role: str) -> int:
+    """The TP size of role's workers ("prefill" or "decode"), as _check_args resolved it."""
+    return int(args.prefill_tp if role == "prefill" else args.decode_tp)
+
+
 def cpu_threads(args: argparse.Namespace) -> int:
-    """--cpu-threads of each worker: as given, else the cores this process may use over the workers it starts.
+    """--cpu-threads of each worker process: as given, else the cores this process may use over the TP ranks of
+    the workers it starts (each rank is a process of its own; a TP-2 worker counts 2).
 
     NOTE: each worker's torch would otherwise start a thread per core; on a CPU cluster N workers then run
     N x cores spinning threads on the cores, and every step waits on descheduled ones (2+2 workers on 2 cores:
@@ -194,8 +233,8 @@ def cpu_threads(args: argparse.Namespace) -> int:
     """
     if args.cpu_threads is not None:
         return int(args.cpu_threads)
-    workers_here = sum(1 for name in args.wanted if name != "router")
-    return max(1, len(os.sched_getaffinity(0)) // max(workers_here, 1))
+    ranks_here = sum(tp_size(args, name.split("-")[0]) for name in args.wanted if name != "router")
+    return max(1, len(os.sched_getaffinity(0)) // max(ranks_here, 1))
 
 
 def _metrics_flag(args: argparse.Namespace, offset: int) -> list[str]:
@@ -228,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / TOPOLOGY_FILE).write_text(json.dumps(asdict(args.topology_hosts)))
     # NOTE: the children run the installed pdserve (python -m pdserve.*): no PYTHONPATH of ours
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    gpus = placement(gpu_lists(args.prefill_gpus), gpu_lists(args.decode_gpus), args.prefill, args.decode)
-    supervisor = Supervisor(plan.children, run_dir, env, plan.grace, _mps(args, run_dir), gpus)
+    supervisor = Supervisor(plan.children, run_dir, env, plan.grace, _mps(args, run_dir), args.gpus)
     return supervisor.run(f"{args.bind}:{args.port}")
 
 

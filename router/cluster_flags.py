@@ -4,8 +4,9 @@ its children's parsers.
 pdserve-cluster (router/cluster_cli.py) parses only cluster-level flags. Every other flag goes, with its value,
 to each kind of child whose own parser defines it (the router's, router/cli.py; the workers', core/cli.py), so a
 flag added there can be set through the launcher with no change here. A flag no child parser defines, or one
-the launcher sets itself for each child (--worker-id, ...), is refused; so is a final argv that its child's
-parser or checks would refuse. All of it happens before any process starts, and every message names the flag.
+the launcher sets itself for each child (--worker-id, --tp-size, ...), or one a child hides from its help (set
+by a process for its own children, e.g. --tp-rank) is refused; so is a final argv that its child's parser or
+checks would refuse. All of it happens before any process starts, and every message names the flag.
 """
 
 from __future__ import annotations
@@ -55,6 +56,10 @@ class ChildCli:
         # NOTE: argparse has no public list of a parser's actions; _actions is what its own help walks
         return {option: action for action in self.parser()._actions for option in action.option_strings}
 
+    def internal(self) -> set[str]:
+        """Option strings hidden from the child's help: a process sets them for its own children only."""
+        return {option for option, action in self.options().items() if action.help == argparse.SUPPRESS}
+
     def parse(self, argv: list[str]) -> argparse.Namespace:
         """argv (no program name) as the child will parse and check it; ArgvError naming the child and flag."""
         try:
@@ -74,8 +79,10 @@ CHILD_CLIS = (ROUTER, WORKER)
 def split_flags(argv: list[str], set_by_launcher: Mapping[str, set[str]]) -> dict[str, list[str]]:
     """argv -> each kind of child's share of it, in order: every flag, with its value, goes to each kind whose
     parser defines it. set_by_launcher: kind -> the option strings the launcher writes for each child of that kind.
-    ArgvError: a token that is no child's flag, a flag the launcher sets itself, a flag without its value."""
+    ArgvError: a token that is no child's flag, a flag the launcher or a child sets itself, a flag without its
+    value."""
     options = {cli.kind: cli.options() for cli in CHILD_CLIS}
+    internal = {option for cli in CHILD_CLIS for option in cli.internal()}
     shares: dict[str, list[str]] = {kind: [] for kind in options}
     i = 0
     while i < len(argv):
@@ -86,6 +93,8 @@ def split_flags(argv: list[str], set_by_launcher: Mapping[str, set[str]]) -> dic
                 f"unrecognized arguments: {argv[i]} (a flag of neither pdserve-cluster, {ROUTER.prog} nor "
                 f"{WORKER.prog})"
             )
+        if flag in internal:
+            raise ArgvError(f"argument {flag}: internal, set by a process for the processes it starts")
         if any(flag in set_by_launcher.get(kind, set()) for kind in owners):
             raise ArgvError(f"argument {flag}: set by pdserve-cluster itself for each process it starts")
         end = i + 1 + num_values(options[owners[0]][flag], bool(inline))

@@ -1,16 +1,22 @@
 """Worker liveness as the router sees it: each expected worker is up from its first heartbeat and down after
 `timeout` seconds without one, or restarted when its incarnation changes; a worker whose KV layout differs
-from the cluster's never counts as up (router/workers.py acts on the changes)."""
+from the cluster's never counts as up (router/workers.py acts on the changes). A TP group is one worker: its
+rank 0 heartbeats for it and lists its ranks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from pdserve.core.messages import HeartbeatEvent
 
 Role = Literal["prefill", "decode"]
 ChangeKind = Literal["up", "down", "restarted"]
+
+GROUP_LAYOUT_FIELDS = frozenset({"tp_size", "kv_head_ranges"})
+"""Fingerprint fields of a worker's TP group: they differ between a prefill and a decode group of other TP sizes,
+which may still serve together (the KV handshake between two workers checks what their pools need), so the
+router does not compare them."""
 
 
 @dataclass
@@ -24,6 +30,19 @@ class WorkerState:
     last_seen: float = 0.0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
+    pid: int = 0
+    """Rank 0's pid (0 before the first heartbeat)."""
+    ranks: list[int] = field(default_factory=list)
+    """Pids of the worker's TP group in rank order ([] for TP size 1)."""
+
+    @property
+    def tp_size(self) -> int:
+        return max(1, len(self.ranks))
+
+    def processes(self) -> str:
+        """The worker's processes: "pid 123", or "pid 123 ranks 123,124" for a TP group."""
+        ranks = f" ranks {','.join(map(str, self.ranks))}" if len(self.ranks) > 1 else ""
+        return f"pid {self.pid}{ranks}"
 
 
 class LayoutMismatch(ValueError):
@@ -67,15 +86,17 @@ class Liveness:
             changes.append(Change(st.role, st.worker_id, "restarted"))
         st.up, st.incarnation, st.last_seen = True, hb.incarnation, now
         st.num_free_blocks, st.num_total_blocks = hb.num_free_blocks, hb.num_total_blocks
+        st.pid, st.ranks = hb.pid, list(hb.ranks)
         return changes
 
     def _check_layout(self, hb: HeartbeatEvent) -> None:
         """The cluster's layout is the first one heard that has the expected fields (the configured block
-        size); every other worker must report the same. NOTE: a worker that reports none passes."""
+        size); every other worker must report the same, but for GROUP_LAYOUT_FIELDS. NOTE: a worker that
+        reports none passes."""
         if not isinstance(hb.layout, dict) or not hb.layout:
             return
         reference = self.layout or self.expected_layout
-        keys = set(reference) | (set(hb.layout) if self.layout else set())
+        keys = (set(reference) | (set(hb.layout) if self.layout else set())) - GROUP_LAYOUT_FIELDS
         diffs = [
             f"{k} {reference.get(k)} != {hb.layout.get(k)}"
             for k in sorted(keys)

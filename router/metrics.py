@@ -3,7 +3,8 @@
 Per request, as the client sees it: time to first token (arrival at the router to the first token leaving
 it: queue + prefill + handoff + the first decode step), inter-token latency, end-to-end latency, one count
 per call by its outcome (router/outcome.py) and one per successful stream by finish reason. Plus the
-admission queue, requests in flight, workers up per role and request migrations, read at scrape time.
+admission queue, requests in flight, workers up per role, each up worker's TP size and request migrations, read
+at scrape time.
 vLLM's metric names, Prometheus style.
 """
 
@@ -44,6 +45,13 @@ class HubCollector(Collector):
         for role in ("prefill", "decode"):
             up.add_metric([role], len(hub.liveness.up(role)))
         yield up
+        tp = GaugeMetricFamily(
+            "pdserve_worker_tp_size", "TP ranks (processes) of an up worker.", labels=["role", "worker"]
+        )
+        for st in hub.liveness.all_workers():
+            if st.up:
+                tp.add_metric([st.role, str(st.worker_id)], st.tp_size)
+        yield tp
         yield CounterMetricFamily(
             "pdserve_request_migrations", "Requests resumed on other workers after a worker loss.",
             value=hub.num_migrations,

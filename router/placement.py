@@ -32,21 +32,40 @@ def gpu_lists(spec: str | None) -> list[str] | None:
     return gpus
 
 
-def placement(prefill_gpus: list[str] | None, decode_gpus: list[str] | None, num_prefill: int, num_decode: int
-              ) -> dict[str, str]:  # fmt: skip
-    """CUDA_VISIBLE_DEVICES of each worker ({} without --prefill-gpus / --decode-gpus): prefill i gets
-    prefill_gpus[i % n]; decode j gets decode_gpus[j % m] first (its "cuda") and then every prefill GPU, whose
-    pools it maps by CUDA IPC and copies from (peer copies; kvtransfer/cuda_ipc.py finds them by UUID)."""
+def placement(prefill_gpus: list[str] | None, decode_gpus: list[str] | None, num_prefill: int, num_decode: int,
+              prefill_tp: int = 1, decode_tp: int = 1) -> dict[str, str]:  # fmt: skip
+    """CUDA_VISIBLE_DEVICES of each worker ({} without --prefill-gpus / --decode-gpus: every worker sees every
+    GPU and its ranks use cuda:0..N-1). One list serves both roles when the other is not given. A role's list is
+    cut into groups of its TP size, in order: prefill i gets group i % groups (rank r runs on cuda:r); decode j
+    gets its group and then every prefill GPU not in it, whose pools it maps by CUDA IPC and copies from (peer
+    copies; kvtransfer/cuda_ipc.py finds them by UUID). ValueError, naming the flags, for a list shorter than
+    its role's TP size."""
     if prefill_gpus is None and decode_gpus is None:
         return {}
+    prefill_flag = "--prefill-gpus" if prefill_gpus else "--decode-gpus"
+    decode_flag = "--decode-gpus" if decode_gpus else "--prefill-gpus"
     prefill_gpus = prefill_gpus or decode_gpus
     decode_gpus = decode_gpus or prefill_gpus
     assert prefill_gpus is not None and decode_gpus is not None
-    env = {f"prefill-{i}": prefill_gpus[i % len(prefill_gpus)] for i in range(num_prefill)}
+    env: dict[str, str] = {}
+    if num_prefill:
+        groups = tp_groups(prefill_gpus, prefill_tp, prefill_flag, "--prefill-tp")
+        env |= {f"prefill-{i}": ",".join(groups[i % len(groups)]) for i in range(num_prefill)}
+    groups = tp_groups(decode_gpus, decode_tp, decode_flag, "--decode-tp")
+    mapped = prefill_gpus if num_prefill else []  # NOTE: colocated decode workers map no prefill pool
     for j in range(num_decode):
-        own = decode_gpus[j % len(decode_gpus)]
-        env[f"decode-{j}"] = ",".join([own, *dict.fromkeys(g for g in prefill_gpus if g != own)])
+        env[f"decode-{j}"] = ",".join(dict.fromkeys([*groups[j % len(groups)], *mapped]))
     return env
+
+
+def tp_groups(gpus: list[str], tp_size: int, gpus_flag: str, tp_flag: str) -> list[list[str]]:
+    """gpus cut into consecutive groups of tp_size, one per worker's ranks (a shorter rest stays unused);
+    ValueError naming both flags when gpus cannot hold one group."""
+    if len(gpus) < tp_size:
+        raise ValueError(
+            f"{gpus_flag} {','.join(gpus)}: {len(gpus)} GPU(s), fewer than {tp_flag} {tp_size} (one GPU per rank)"
+        )
+    return [gpus[k : k + tp_size] for k in range(0, len(gpus) - tp_size + 1, tp_size)]
 
 
 def roles_share_a_gpu(prefill_gpus: list[str] | None, decode_gpus: list[str] | None) -> bool:

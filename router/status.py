@@ -3,9 +3,9 @@
     pdserve-status                            the newest cluster under the temp dir (the supervisor's default)
     pdserve-status --run-dir DIR --json       one cluster, as merged JSON
 
-Reads {run_dir}/status.json (the supervisor, every 0.1 s: name, pid, state, restarts, uptime_s and log of each
-role) and {run_dir}/stats/{role}-{i}.json (each worker's latest heartbeat: KV blocks, running and waiting
-requests, counters). Exit status 1 when there is no status to show or the supervisor that wrote it is gone.
+Reads {run_dir}/status.json (the supervisor, every 0.1 s: name, pid, TP ranks, state, restarts, uptime_s and
+log of each role) and {run_dir}/stats/{role}-{i}.json (each worker's latest heartbeat: KV blocks, running and
+waiting requests, counters). Exit status 1 when there is no status to show or the supervisor that wrote it is gone.
 Standard library only: the router package never imports torch.
 """
 
@@ -25,6 +25,8 @@ from typing import Any
 RUN_DIR_PREFIX = "pdserve-"
 """pdserve-cluster (router/cluster_cli.py) without --run-dir makes tempfile.mkdtemp(prefix=RUN_DIR_PREFIX)."""
 COLUMNS = ("NAME", "PID", "STATE", "UPTIME", "RESTARTS", "KV USED/FREE/TOTAL", "CACHED", "RUNNING", "WAITING")
+RANKS_COLUMN = "RANKS"
+"""After PID, only when a worker runs as a TP group of more than one process."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class RoleStatus:
     restarts: int
     uptime_s: float
     log: str
+    ranks: tuple[int, ...]
+    """Pids of the worker's TP group in rank order, pid first (() for TP size 1 and until its ready heartbeat)."""
     stats: dict[str, Any] | None
     """The heartbeat of this very process (same pid); None for the router and until a new one beats."""
     stats_age_s: float | None
@@ -93,7 +97,8 @@ def load_status(run_dir: Path) -> ClusterStatus:
     for role in raw["roles"]:
         stats, age = read_stats(run_dir / "stats" / f"{role['name']}.json", role["pid"], now)
         head = (role["name"], role["pid"], role["state"], int(role["restarts"]), float(role["uptime_s"]), role["log"])
-        roles.append(RoleStatus(*head, stats=stats, stats_age_s=age))
+        ranks = tuple(int(pid) for pid in role.get("ranks", []))  # NOTE: absent from an older supervisor's file
+        roles.append(RoleStatus(*head, ranks=ranks, stats=stats, stats_age_s=age))
     pid = int(raw["pid"])
     return ClusterStatus(str(run_dir), pid, pid_alive(pid), bool(raw["ready"]), tuple(roles))
 
@@ -108,10 +113,11 @@ def format_uptime(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
-def role_row(role: RoleStatus) -> tuple[str, ...]:
-    """The table cells of one role; "-" where there is nothing to show."""
+def role_row(role: RoleStatus, with_ranks: bool = False) -> tuple[str, ...]:
+    """The table cells of one role; "-" where there is nothing to show. with_ranks: a RANKS cell after PID."""
     pid = str(role.pid) if role.pid is not None else "-"
-    head = (role.name, pid, role.state, format_uptime(role.uptime_s), str(role.restarts))
+    ranks = (",".join(map(str, role.ranks)) if len(role.ranks) > 1 else "-",) if with_ranks else ()
+    head = (role.name, pid, *ranks, role.state, format_uptime(role.uptime_s), str(role.restarts))
     s = role.stats
     if s is None:
         return (*head, "-", "-", "-", "-")
@@ -127,12 +133,14 @@ def role_row(role: RoleStatus) -> tuple[str, ...]:
 
 
 def render_table(status: ClusterStatus) -> str:
-    """A header line about the cluster, then one aligned row per role."""
+    """A header line about the cluster, then one aligned row per role (a RANKS column where a TP group runs)."""
     alive = "running" if status.supervisor_alive else "NOT RUNNING (last state it wrote)"
     ready = "ready" if status.ready else "starting"
     title = f"pdserve cluster {status.run_dir}: supervisor pid {status.supervisor_pid} {alive}, {ready}"
-    rows = [COLUMNS, *(role_row(r) for r in status.roles)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    with_ranks = any(len(r.ranks) > 1 for r in status.roles)
+    columns = (*COLUMNS[:2], RANKS_COLUMN, *COLUMNS[2:]) if with_ranks else COLUMNS
+    rows = [columns, *(role_row(r, with_ranks) for r in status.roles)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join([title, *lines])
 

@@ -8,6 +8,11 @@ RestartPolicy.max_failed_starts such exits in a row (or a startup-error exit bef
 the whole cluster. SIGTERM / SIGINT stop the router first (it finishes streams in flight within its grace
 and refuses new calls), then the workers.
 
+Each child leads a process group of its own (start_new_session); a worker's TP ranks 1..N-1 are children of
+its rank 0 and stay in that group. A SIGTERM to rank 0 is a worker's normal stop (it stops its ranks); the
+group goes with its leader: killed when the leader is killed, and what is left of it killed once the leader
+exited, before the leader is reaped (until then its pid, the group's id, cannot be reused).
+
 Why our own supervisor and not circus / supervisord: the roles need a per-cluster run directory for their ipc
 sockets and logs, a readiness line that depends on the router having seen every role, and exactly-once
 cleanup of the cluster on Ctrl-C; that is a few hundred lines of stdlib here, versus a daemon with its own
@@ -16,14 +21,16 @@ config files, sockets and lifecycle to manage around it. Standard library only (
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from pdserve.core.lifecycle import READY_MARK, RESTARTS_ENV, STARTUP_ERROR_EXIT
 from pdserve.router.placement import Mps
@@ -32,6 +39,15 @@ STOP_MARGIN_S = 5.0
 """Seconds a child gets past its own grace to exit on SIGTERM before it is killed."""
 TAIL_PREFIX = "  | "
 """Marks the quoted lines of a child's log on the launcher's stderr."""
+STOP_POLL_S = 0.02
+"""Seconds between two looks at children stopping."""
+
+
+class Heartbeat(NamedTuple):
+    """What the supervisor reads of a worker's latest heartbeat stats."""
+
+    pid: int
+    ranks: list[int]
 
 
 @dataclass(frozen=True)
@@ -71,6 +87,8 @@ class Child:
     """Whether the current process became ready (router: its ready line; worker: a heartbeat with its pid)."""
     failed_starts: int = 0
     """Processes in a row that exited before they became ready."""
+    ranks: list[int] = field(default_factory=list)
+    """Pids of the current process's TP group from its ready heartbeat ([] for TP size 1 and until then)."""
 
     @property
     def role(self) -> str:
@@ -82,7 +100,7 @@ class Child:
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         self.started_at = time.monotonic()
-        self.ready = False
+        self.ready, self.ranks = False, []
 
     def log_text_since_start(self) -> str:
         """What the current (or last) process wrote to its log."""
@@ -98,10 +116,11 @@ class Child:
         return [line for line in self.log_text_since_start().splitlines() if line.strip()][-num_lines:]
 
     def status(self) -> dict[str, object]:
-        alive = self.proc is not None and self.proc.poll() is None
+        alive = self.proc is not None and not exited(self.proc)
         return {
             "name": self.name,
             "pid": self.proc.pid if self.proc else None,
+            "ranks": self.ranks if alive else [],
             "state": "running" if alive else "restarting",
             "restarts": self.restarts,
             "uptime_s": round(time.monotonic() - self.started_at, 1) if alive else 0.0,
@@ -155,7 +174,7 @@ class Supervisor:
     def _reap_and_restart(self) -> None:
         now = time.monotonic()
         for child in self.children:
-            if child.proc is not None and child.proc.poll() is not None:
+            if child.proc is not None and exited(child.proc):
                 self._on_exit(child, now)
             if self.stopping:
                 return
@@ -165,7 +184,7 @@ class Supervisor:
 
     def _on_exit(self, child: Child, now: float) -> None:
         assert child.proc is not None
-        code = child.proc.returncode
+        code = end_group(child.proc)
         # NOTE: a child may become ready and exit between two looks: its ready line or heartbeat is still there
         ready = self._update_ready(child)
         child.proc = None
@@ -225,17 +244,23 @@ class Supervisor:
         return child.ready
 
     def _is_ready(self, child: Child) -> bool:
-        """Whether child's current process became ready (it may have exited since)."""
+        """Whether child's current process became ready (it may have exited since); a worker's ready heartbeat
+        also gives its TP ranks."""
         if child.name == "router":
             # NOTE: logs are appended to: only what this process wrote counts (a reused run dir holds old lines)
             return _served_address(child.log_text_since_start()) is not None
-        return child.proc is not None and self._heartbeat_pid(child) == child.proc.pid
+        beat = self._heartbeat(child)
+        if child.proc is None or beat is None or beat.pid != child.proc.pid:
+            return False
+        child.ranks = beat.ranks
+        return True
 
-    def _heartbeat_pid(self, child: Child) -> int | None:
-        """The pid in child's latest heartbeat stats (None before the first)."""
+    def _heartbeat(self, child: Child) -> Heartbeat | None:
+        """Pid and ranks of child's latest heartbeat stats (None before the first)."""
         try:
-            return int(json.loads((self.run_dir / "stats" / f"{child.name}.json").read_text())["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
+            stats = json.loads((self.run_dir / "stats" / f"{child.name}.json").read_text())
+            return Heartbeat(int(stats["pid"]), [int(pid) for pid in stats.get("ranks", [])])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
     def _write_status(self) -> None:
@@ -260,17 +285,36 @@ class Supervisor:
 
 
 def terminate(children: list[Child], timeout: float) -> None:
-    """SIGTERM the live ones, wait up to `timeout` seconds for all of them, then kill what is left."""
-    procs = [c.proc for c in children if c.proc is not None and c.proc.poll() is None]
+    """SIGTERM the live ones (a worker's rank 0 stops its own ranks), wait up to `timeout` seconds for all of
+    them, then kill each one's process group and reap it: none of their processes is left on return."""
+    procs = [c.proc for c in children if c.proc is not None]
     for proc in procs:
-        proc.send_signal(signal.SIGTERM)
+        if not exited(proc):  # NOTE: os.kill, not send_signal: that reaps a proc that just exited
+            os.kill(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(exited(proc) for proc in procs):
+        time.sleep(STOP_POLL_S)
     for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        end_group(proc)
+
+
+def exited(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether proc exited, without reaping it: its pid, its process group's id, stays taken until end_group."""
+    if proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # NOTE: reaped elsewhere; poll() records it
+        return proc.poll() is not None
+
+
+def end_group(proc: subprocess.Popen[bytes]) -> int:
+    """SIGKILL what is left of proc's process group (proc, if it still runs, and its TP ranks), then reap proc;
+    its exit code."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.wait()
 
 
 def _served_address(router_log: str) -> str | None:

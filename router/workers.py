@@ -357,7 +357,9 @@ class WorkerHub:
 
     def _apply(self, changes: list[Change]) -> None:
         for change in changes:
-            log.info("%s worker %d is %s", change.role, change.worker_id, change.kind)
+            st = self.liveness.workers[change.role][change.worker_id]
+            seen = f" ({st.processes()})" if change.kind != "down" else ""
+            log.info("%s worker %d is %s%s", change.role, change.worker_id, change.kind, seen)
             if change.kind != "up":
                 self._lost(change.role, change.worker_id, "went down" if change.kind == "down" else "restarted")
             else:

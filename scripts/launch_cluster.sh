@@ -2,6 +2,7 @@
 # Starts a pdserve cluster: router + N prefill + M decode workers under per-role supervision.
 #   scripts/launch_cluster.sh [--model DIR] [--prefill N] [--decode M] [--device cuda|cpu] [--port P] [flags...]
 #   scripts/launch_cluster.sh --colocated [--decode M] ...   one process per GPU share doing prefill and decode
+#   scripts/launch_cluster.sh --prefill-tp 2 --decode-tp 2 --prefill-gpus 0,1 --decode-gpus 2,3 ...   TP groups
 #   scripts/launch_cluster.sh status [--run-dir DIR] [--json]   the processes of a running cluster (pdserve-status)
 # On a fresh machine it first creates .venv, installs pdserve and converts the bundled SmolLM2-135M-Instruct.
 # Flags: pdserve-cluster --help (router/cluster_cli.py); a router or worker flag reaches the processes that take it.

@@ -1,6 +1,6 @@
 """pdserve-cluster's command line (router/cluster_cli.py, router/cluster_flags.py): every flag of the router's and
 the workers' parsers can be set through the launcher and lands in exactly the processes that define it; a flag
-no process knows, a flag the launcher sets itself or a bad value stops it at once, naming the flag."""
+no process knows, a flag the launcher or a child sets itself or a bad value stops it at once, naming the flag."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pdserve.router import cluster_cli
 from pdserve.router.cluster_flags import CHILD_CLIS, ArgvError, ChildCli
 from pdserve.router.supervisor import Child
 
-LAUNCHER_SET = {"router": set(), "worker": {"--worker-id", "--num-prefill", "--num-decode"}}
+LAUNCHER_SET = {"router": set(), "worker": {"--worker-id", "--num-prefill", "--num-decode", "--tp-size"}}
 """Child flags the launcher writes itself that are not its own flags: per child, or its own under other names."""
 
 
@@ -53,6 +53,11 @@ def test_every_child_flag_is_owned_set_or_routed_by_the_launcher(cli: ChildCli, 
     owned = launcher_options()
     defaults = plan(tmp_path)
     for flag, action in cli.options().items():
+        if flag in cli.internal():  # set by a process for its own children (rank 0 for its TP ranks)
+            assert not any(flag in c.argv for c in defaults), flag
+            with pytest.raises(ArgvError, match=f"argument {flag}: internal"):
+                plan(tmp_path, flag, *sample(action))
+            continue
         receivers = [c for c in defaults if kind(c) == cli.kind]
         if flag in owned or flag in LAUNCHER_SET[cli.kind]:  # the launcher writes it for each such child
             assert all(flag in c.argv for c in receivers), (flag, [c.name for c in receivers if flag not in c.argv])
@@ -111,6 +116,64 @@ def test_each_worker_gets_its_share_of_the_cores(tmp_path: Path, monkeypatch: py
     assert set(threads(plan(tmp_path)).values()) == {"1"}  # never 0: that would mean torch's default
 
 
+def test_the_cores_are_shared_over_every_tp_rank_started_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def threads(*flags: str) -> set[str]:
+        return {c.argv[c.argv.index("--cpu-threads") + 1] for c in plan(tmp_path, *flags) if c.name != "router"}
+
+    monkeypatch.setattr(cluster_cli.os, "sched_getaffinity", lambda pid: set(range(24)))
+    assert threads("--prefill-tp", "2") == {"4"}  # 2 x 2 prefill ranks + 2 decode ranks
+    assert threads("--tp", "2") == {"3"}  # 8 ranks
+    assert threads("--tp", "3", "--decode-tp", "1") == {"3"}  # 6 + 2
+    assert threads("--tp", "2", "--roles", "prefill-0") == {"12"}
+    assert threads("--tp", "4", "--colocated") == {"3"}  # 2 decode workers of 4
+    monkeypatch.setattr(cluster_cli.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert threads("--tp", "4") == {"1"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "prefill_tp", "decode_tp"),
+    [
+        ([], "1", "1"),
+        (["--tp", "2"], "2", "2"),
+        (["--prefill-tp", "2"], "2", "1"),
+        (["--decode-tp", "4"], "1", "4"),
+        (["--tp", "4", "--decode-tp", "2"], "4", "2"),
+        (["--tp", "2", "--prefill-tp", "1", "--decode-tp", "8"], "1", "8"),
+    ],
+)
+def test_each_worker_gets_the_tp_size_of_its_role(
+    flags: list[str], prefill_tp: str, decode_tp: str, tmp_path: Path
+) -> None:
+    workers = {c.name: c.argv for c in plan(tmp_path, *flags) if c.name != "router"}
+    assert list(workers) == ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+    for name, argv in workers.items():
+        assert argv.count("--tp-size") == 1 and "--tp-rank" not in argv
+        assert argv[argv.index("--tp-size") + 1] == (prefill_tp if name.startswith("prefill") else decode_tp), name
+    assert "--tp-size" not in plan(tmp_path, *flags)[0].argv
+
+
+def test_colocated_tp_is_the_decode_workers(tmp_path: Path) -> None:
+    children = plan(tmp_path, "--colocated", "--tp", "2")
+    assert [(c.name, c.argv[c.argv.index("--tp-size") + 1]) for c in children[1:]] == [
+        ("decode-0", "2"),
+        ("decode-1", "2"),
+    ]
+
+
+def test_tp_groups_get_their_gpus(tmp_path: Path) -> None:
+    flags = ["--model", "m", "--prefill", "1", "--prefill-tp", "2", "--decode", "1", "--decode-tp", "2"]
+    args, _ = cluster_cli.parse_args(
+        cluster_cli.build_parser(), [*flags, "--prefill-gpus", "0,1", "--decode-gpus", "2,3"]
+    )
+    assert args.gpus == {"prefill-0": "0,1", "decode-0": "2,3,0,1"}
+    assert cluster_cli._mps(args, tmp_path) is None  # --mps auto on cpu; the roles share no GPU either
+    args, _ = cluster_cli.parse_args(
+        cluster_cli.build_parser(), [*flags, "--device", "cuda", "--prefill-gpus", "0,1", "--decode-gpus", "0,1"]
+    )
+    assert args.gpus == {"prefill-0": "0,1", "decode-0": "0,1"}
+    assert cluster_cli._mps(args, tmp_path) is not None  # both roles on 0,1: MPS splits the SMs
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
@@ -128,6 +191,15 @@ def test_each_worker_gets_its_share_of_the_cores(tmp_path: Path, monkeypatch: py
         (["--grace"], "argument --grace: expected a value"),
         (["--roles", "decode-7"], "--roles: unknown roles ['decode-7']"),
         (["--mps-split", "half"], "--mps-split 'half'"),
+        (["--tp-size", "2"], "argument --tp-size: set by pdserve-cluster"),
+        (["--tp-rank", "1"], "argument --tp-rank: internal"),
+        (["--tp", "0"], "--tp must be >= 1 (got 0)"),
+        (["--decode-tp", "-1"], "--decode-tp must be >= 1 (got -1)"),
+        (["--colocated", "--prefill-tp", "2"], "--prefill-tp: --colocated has no prefill workers"),
+        (["--prefill-gpus", "0", "--prefill-tp", "2"], "--prefill-gpus 0: 1 GPU(s), fewer than --prefill-tp 2"),
+        (["--prefill-gpus", "0,1", "--tp", "4"], "--prefill-gpus 0,1: 2 GPU(s), fewer than --prefill-tp 4"),
+        (["--decode-gpus", "3", "--tp", "2"], "--decode-gpus 3: 1 GPU(s), fewer than --prefill-tp 2"),
+        (["--tp", "2", "--transport", "dist"], "--transport dist moves KV between workers of TP size 1 only"),
     ],
 )
 def test_a_bad_command_line_stops_the_launcher_before_anything_starts(

@@ -55,6 +55,24 @@ def test_table_merges_roles_with_their_current_heartbeat(tmp_path: Path) -> None
     ]
 
 
+def test_a_tp_group_is_one_row_with_its_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = write_run_dir(tmp_path, os.getpid())
+    status = json.loads((run_dir / "status.json").read_text())
+    status["roles"][2] |= {"pid": 123, "ranks": [123, 124]}  # decode-0: TP 2
+    status["roles"][1] |= {"ranks": []}  # prefill-0: TP 1
+    (run_dir / "status.json").write_text(json.dumps(status))
+    (run_dir / "stats" / "decode-0.json").write_text(json.dumps(heartbeat("decode-0", 123, 5, 255, 2, 0)))
+    assert st.render_table(st.load_status(run_dir)).splitlines()[1:] == [
+        "NAME       PID  RANKS    STATE       UPTIME  RESTARTS  KV USED/FREE/TOTAL  CACHED  RUNNING  WAITING",
+        "router     101  -        running     1h02m   0         -                   -       -        -",
+        "prefill-0  102  -        running     1m15s   0         55/200/255          30      1        4",
+        "decode-0   123  123,124  running     1.5s    2         250/5/255           -       2        0",
+        "decode-1   -    -        restarting  0.0s    1         -                   -       -        -",
+    ]
+    assert st.main(["--run-dir", str(run_dir), "--json"]) == 0
+    assert [r["ranks"] for r in json.loads(capsys.readouterr().out)["roles"]] == [[], [], [123, 124], []]
+
+
 def test_json_keeps_only_heartbeats_of_the_live_pid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert st.main(["--run-dir", str(write_run_dir(tmp_path, os.getpid())), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -1,0 +1,71 @@
+"""router/placement.py with TP groups: a worker of TP size N gets N GPUs of its role's list, in order (rank r on
+cuda:r); groups go round robin like single GPUs; a decode worker also sees every prefill GPU not in its group; a
+list shorter than the TP size is refused, naming the flags."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pdserve.router.placement import placement, roles_share_a_gpu, tp_groups
+
+
+def test_each_role_on_its_own_gpu_pair() -> None:
+    assert placement(["0", "1"], ["2", "3"], 1, 1, prefill_tp=2, decode_tp=2) == {
+        "prefill-0": "0,1",
+        "decode-0": "2,3,0,1",
+    }
+    assert not roles_share_a_gpu(["0", "1"], ["2", "3"])
+
+
+def test_both_roles_on_one_gpu_pair_share_it() -> None:
+    env = placement(["0", "1"], ["0", "1"], 1, 1, prefill_tp=2, decode_tp=2)
+    assert env == {"prefill-0": "0,1", "decode-0": "0,1"}
+    assert roles_share_a_gpu(["0", "1"], ["0", "1"])
+    assert placement(["0", "1"], None, 1, 1, prefill_tp=2, decode_tp=2) == env  # one list serves both
+
+
+def test_groups_go_round_robin_over_the_workers() -> None:
+    env = placement(["0", "1", "2", "3"], ["4", "5"], 3, 2, prefill_tp=2)
+    assert env == {
+        "prefill-0": "0,1",
+        "prefill-1": "2,3",
+        "prefill-2": "0,1",
+        "decode-0": "4,0,1,2,3",
+        "decode-1": "5,0,1,2,3",
+    }
+
+
+def test_a_decode_group_lists_its_own_gpus_first_in_rank_order() -> None:
+    env = placement(["3", "2"], ["2", "0", "1", "3"], 1, 2, prefill_tp=1, decode_tp=2)
+    assert env == {"prefill-0": "3", "decode-0": "2,0,3", "decode-1": "1,3,2"}
+
+
+def test_colocated_decode_groups_see_only_their_own_gpus() -> None:
+    assert placement(None, ["0", "1", "2", "3"], 0, 2, decode_tp=2) == {"decode-0": "0,1", "decode-1": "2,3"}
+
+
+def test_without_gpu_lists_every_worker_sees_every_gpu() -> None:
+    assert placement(None, None, 2, 2, prefill_tp=2, decode_tp=4) == {}
+
+
+def test_a_rest_shorter_than_a_group_stays_unused() -> None:
+    assert tp_groups(["0", "1", "2"], 2, "--prefill-gpus", "--prefill-tp") == [["0", "1"]]
+    assert tp_groups(["0", "1", "2"], 1, "--prefill-gpus", "--prefill-tp") == [["0"], ["1"], ["2"]]
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "prefill_tp", "decode_tp", "needle"),
+    [
+        (["0"], ["1", "2"], 2, 1, "--prefill-gpus 0: 1 GPU(s), fewer than --prefill-tp 2"),
+        (["0", "1"], ["2"], 1, 2, "--decode-gpus 2: 1 GPU(s), fewer than --decode-tp 2"),
+        (["0", "1"], None, 1, 4, "--prefill-gpus 0,1: 2 GPU(s), fewer than --decode-tp 4"),
+        (None, ["0"], 2, 1, "--decode-gpus 0: 1 GPU(s), fewer than --prefill-tp 2"),
+    ],
+)
+def test_a_gpu_list_shorter_than_its_tp_size_is_refused(
+    prefill: list[str] | None, decode: list[str] | None, prefill_tp: int, decode_tp: int, needle: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        placement(prefill, decode, 1, 1, prefill_tp, decode_tp)
