@@ -1,29 +1,34 @@
 """The KV transfer contract: a source exports a prefill worker's pool, a sink copies blocks out of it.
 
 This is the worker-side half of the connector (it moves bytes); kvtransfer.lease is the scheduler-side
-half (which blocks are lent to which decode worker, until when). The protocol between the two workers:
+half (which blocks are lent to which decode worker, until when). A worker of TP size N is N ranks, each with
+a pool of its own KV heads (kvtransfer.layout); every rank of a decode worker has a sink of its own. The
+protocol between the two workers:
 
 1. decode -> prefill `HandshakeCmd(fingerprint)`; the prefill worker runs `check_compatible` and replies
-   `HandshakeEvent(descriptor=source.descriptor())`.
-2. decode: `sink.open(prefill_worker, descriptor, remote_fingerprint)`, once per prefill pool; the sink
-   checks the layouts again and maps the remote pool (cached until `close`).
-3. per handed-off request: `handle = sink.pull(prefill_worker, src_block_ids, dst_block_ids)`; the request
-   may be scheduled at once; `ReleaseCmd` once `handle.done()` is True, never before.
+   `HandshakeEvent(descriptor=...)`: the group descriptor, `merge_descriptors` of every rank's
+   `source.descriptor()` (a worker of TP size 1 sends its one descriptor as it is).
+2. decode, each rank: `sink.open(prefill_worker, descriptor, remote_fingerprint)`, once per prefill worker;
+   the sink checks the layouts again, plans head segments (which prefill rank's heads land where in its
+   pool: `plan_segments`) and maps the pools of the prefill ranks those segments read (cached until
+   `close`).
+3. per handed-off request: `handle = sink.pull(prefill_worker, src_block_ids, dst_block_ids)`, one copy per
+   segment; the request may be scheduled at once; `ReleaseCmd` once `handle.done()` is True, never before.
 
 NOTE: a source announces blocks (HandoffCmd) only after the writes into them have finished; the prefill
 worker guarantees it by reading the sampled first token on the host, which waits for the forward pass.
-NOTE: when the pulled bytes are usable. `pull` enqueues the copy and returns a PullHandle without blocking
+NOTE: when the pulled bytes are usable. `pull` enqueues the copies and returns a PullHandle without blocking
 the host on the GPU:
 - shm: the copy is synchronous; the bytes are in the local pool when pull returns and done() is True.
-- cuda_ipc: the copy runs on the sink's own stream, after the work already queued on the caller's current
-  stream of the local pool's device; before returning, pull makes that current stream wait on the copy's
+- cuda_ipc: the copies run on the sink's own stream, after the work already queued on the caller's current
+  stream of the local pool's device; before returning, pull makes that current stream wait on the copies'
   event (a device-side wait). Work enqueued later on that stream (the engine's forward passes and CUDA
   graph replays, which run on it) sees the bytes, so the engine may schedule the request at once. Work on
   other streams and host reads of the local pool must first see done() True (or call wait()). Later pulls
   run on the same sink stream, so the destination blocks of an aborted request may be reused at once.
 NOTE: the source blocks are read until done() is True. The lease may be released (ReleaseCmd) only then:
 after the release the prefill worker may overwrite or reallocate them. Until then the handle keeps alive
-what the copy reads (id tensors, pinned host buffers, the remote pool's mapping).
+what the copy reads (id tensors, pinned host buffers, the remote pools' mappings).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 
-from pdserve.kvtransfer.layout import KVLayout, check_compatible
+from pdserve.kvtransfer.layout import KVLayout, LayoutMismatchError, check_compatible, kv_head_ranges
 from pdserve.kvtransfer.pool import KVPool
 
 Transport = Literal["shm", "cuda_ipc", "dist"]
@@ -58,7 +63,8 @@ class KVTransferError(RuntimeError):
 
 
 class KVTransferSource(ABC):
-    """Prefill side: exports its pool (the pool stays owned by the worker; the source never frees it)."""
+    """Prefill side, one per rank: exports its pool (the pool stays owned by the worker; the source never
+    frees it)."""
 
     transport: ClassVar[Transport]
 
@@ -66,27 +72,85 @@ class KVTransferSource(ABC):
         self.pool = pool
 
     def fingerprint(self) -> dict[str, Any]:
-        """The pool's layout fingerprint (everything but num_blocks)."""
+        """The pool's layout fingerprint (everything but num_blocks and the rank)."""
         return self.pool.layout.fingerprint()
 
     def descriptor(self) -> dict[str, Any]:
-        """What a sink needs to open the pool, as plain msgpack-able values: transport, fingerprint,
-        num_blocks, shape, plus the transport's own fields (shm name, or the CUDA IPC handle)."""
+        """What a sink needs to open the pool, as plain msgpack-able values: a group descriptor of this rank
+        alone, {transport, fingerprint, ranks: [{tp_rank, num_blocks, shape, **the transport's own fields}]}
+        (shm name, CUDA IPC handle, or dist address). merge_descriptors joins those of a worker's ranks."""
         layout = self.pool.layout
-        common = {
-            "transport": self.transport,
-            "fingerprint": layout.fingerprint(),
-            "num_blocks": layout.num_blocks,
-            "shape": list(layout.shape),
-        }
-        return {**common, **self._export()}
+        rank = {"tp_rank": layout.tp_rank, "num_blocks": layout.num_blocks, "shape": list(layout.shape)}
+        return {"transport": self.transport, "fingerprint": layout.fingerprint(), "ranks": [{**rank, **self._export()}]}
 
     @abstractmethod
     def _export(self) -> dict[str, Any]:
-        """The transport's fields of the descriptor."""
+        """The transport's fields of this rank's descriptor entry."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop serving sinks (default: nothing runs on the source's side)."""
+
+
+def merge_descriptors(descriptors: list[dict[str, Any]]) -> dict[str, Any]:
+    """The group descriptor of a prefill worker: its ranks' descriptors (any order) joined, ranks sorted by
+    tp_rank. KVTransferError unless they share transport and fingerprint and hold each rank 0..tp_size-1 once."""
+    if not descriptors:
+        raise KVTransferError("no descriptors to merge")
+    first = descriptors[0]
+    for other in descriptors[1:]:
+        for name in ("transport", "fingerprint"):
+            if other.get(name) != first.get(name):
+                raise KVTransferError(f"rank descriptors differ in {name}: {first.get(name)!r} vs {other.get(name)!r}")
+    ranks = [rank for d in descriptors for rank in descriptor_field(d, "ranks", list)]
+    merged = {"transport": first.get("transport"), "fingerprint": descriptor_field(first, "fingerprint", dict)}
+    return {**merged, "ranks": _sorted_ranks(ranks, merged["fingerprint"])}
+
+
+def _sorted_ranks(ranks: list[Any], fingerprint: dict[str, Any]) -> list[dict[str, Any]]:
+    """ranks sorted by tp_rank; KVTransferError unless they are exactly 0..tp_size-1 of the fingerprint."""
+    for rank in ranks:
+        if not isinstance(rank, dict):
+            raise KVTransferError(f"descriptor rank entry {rank!r} is not a mapping")
+        descriptor_field(rank, "tp_rank", int)
+    tp_size = fingerprint.get("tp_size", 1)
+    found = sorted(rank["tp_rank"] for rank in ranks)
+    if not isinstance(tp_size, int) or found != list(range(tp_size)):
+        raise KVTransferError(f"descriptor ranks {found} are not each rank of TP size {tp_size!r} once")
+    return sorted(ranks, key=lambda rank: rank["tp_rank"])
+
+
+class Segment(NamedTuple):
+    """A run of KV heads one pull copies from one remote rank: heads [src_head, src_head + num_heads) of that
+    rank's pool land in heads [dst_head, dst_head + num_heads) of the local pool (offsets in each pool)."""
+
+    rank: int
+    src_head: int
+    dst_head: int
+    num_heads: int
+
+
+def plan_segments(local: KVLayout, remote_ranges: list[tuple[int, int]]) -> tuple[Segment, ...]:
+    """The segments that fill every head of local's pool from a group holding remote_ranges ((first, count)
+    per remote rank). Each head comes from the remote rank of local's tp_rank when that rank holds it (equal
+    TP sizes pull rank r from rank r), else from the lowest rank holding it; runs of consecutive heads from
+    one rank are one segment. LayoutMismatchError for a head no remote rank holds."""
+    first, count = local.heads
+    segments: list[Segment] = []
+    for dst_head, head in enumerate(range(first, first + count)):
+        rank = _owner(head, local.tp_rank, remote_ranges)
+        last = segments[-1] if segments else None
+        if last is not None and last.rank == rank:
+            segments[-1] = last._replace(num_heads=last.num_heads + 1)
+        else:
+            segments.append(Segment(rank, head - remote_ranges[rank][0], dst_head, 1))
+    return tuple(segments)
+
+
+def _owner(head: int, preferred: int, ranges: list[tuple[int, int]]) -> int:
+    holders = [rank for rank, (first, count) in enumerate(ranges) if first <= head < first + count]
+    if not holders:
+        raise LayoutMismatchError(f"KV head {head} is held by no remote rank ({ranges})")
+    return preferred if preferred in holders else holders[0]
 
 
 class PullHandle:
@@ -118,16 +182,23 @@ class PullHandle:
         self._keep_alive = ()
 
 
-class _Remote(NamedTuple):
-    descriptor: dict[str, Any]
+class _RemoteRank(NamedTuple):
     layout: KVLayout
     handle: Any
-    """What _attach returned: the mapped remote pool [num_layers, 2, remote num_blocks, block_size, kv_heads,
-    head_dim] (shm, cuda_ipc), or a connection to its source (dist)."""
+    """What _attach returned: the mapped pool of one remote rank [num_layers, 2, its num_blocks, block_size,
+    its heads, head_dim] (shm, cuda_ipc), or a connection to its source (dist)."""
+
+
+class _Remote(NamedTuple):
+    descriptor: dict[str, Any]
+    segments: tuple[Segment, ...]
+    ranks: dict[int, _RemoteRank]
+    """The remote ranks the segments read, by tp_rank."""
 
 
 class KVTransferSink(ABC):
-    """Decode side: opens prefill workers' pools (once each) and copies blocks into the local pool."""
+    """Decode side, one per rank: opens prefill workers' pools (once each) and copies blocks, this rank's KV
+    heads of them, into the local pool."""
 
     transport: ClassVar[Transport]
 
@@ -147,10 +218,11 @@ class KVTransferSink(ABC):
     def open(
         self, prefill_worker: int, descriptor: dict[str, Any], remote_fingerprint: dict[str, Any] | None = None
     ) -> None:
-        """Map prefill_worker's pool described by descriptor (source.descriptor() of that worker).
+        """Map prefill_worker's pools described by descriptor (its group descriptor, see merge_descriptors):
+        those of the ranks holding this rank's KV heads, one mapping per rank.
 
         Raises LayoutMismatchError when remote_fingerprint (if given) or the fingerprint inside the
-        descriptor differs from ours, KVTransferError for a descriptor of another transport or one that
+        descriptor is incompatible with ours, KVTransferError for a descriptor of another transport or one that
         cannot be opened. Opening the same descriptor again is a no-op; a different one replaces the old.
         """
         if descriptor.get("transport") != self.transport:
@@ -158,62 +230,83 @@ class KVTransferSink(ABC):
         local_fp = self.layout.fingerprint()
         if remote_fingerprint is not None:
             check_compatible(local_fp, remote_fingerprint)
-        check_compatible(local_fp, descriptor_field(descriptor, "fingerprint", dict))
+        remote_fp = descriptor_field(descriptor, "fingerprint", dict)
+        check_compatible(local_fp, remote_fp)
         current = self._remotes.get(prefill_worker)
         if current is not None and current.descriptor == descriptor:
             return
         self.close(prefill_worker)
-        remote_layout = self._remote_layout(descriptor)
-        handle = self._attach(descriptor, remote_layout)
-        self._remotes[prefill_worker] = _Remote(dict(descriptor), remote_layout, handle)
+        segments = plan_segments(self.layout, kv_head_ranges(remote_fp))
+        entries = _sorted_ranks(descriptor_field(descriptor, "ranks", list), remote_fp)
+        ranks: dict[int, _RemoteRank] = {}
+        try:
+            for rank in sorted({s.rank for s in segments}):
+                layout = self._remote_layout(entries[rank], remote_fp)
+                ranks[rank] = _RemoteRank(layout, self._attach(entries[rank], layout))
+        except BaseException:
+            for opened in ranks.values():
+                self._detach(opened.handle)
+            raise
+        self._remotes[prefill_worker] = _Remote(dict(descriptor), segments, ranks)
 
     @torch.inference_mode()
     def pull(self, prefill_worker: int, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
-        """Copy blocks src_block_ids of prefill_worker's pool into dst_block_ids of the local pool, K and V of
-        every layer. Returns once the copy is enqueued and ordered before later work on the caller's current
-        stream (see the module's NOTE); the lease may be released once the handle is done(). KVTransferError
-        when prefill_worker is not open or the ids are out of range, of different lengths, or repeat a
-        destination (nothing is copied then)."""
+        """Copy blocks src_block_ids of prefill_worker's pools into dst_block_ids of the local pool: K and V of
+        every layer, this rank's KV heads, one copy per head segment. Returns once the copies are enqueued and
+        ordered before later work on the caller's current stream (see the module's NOTE); the lease may be
+        released once the handle is done(). KVTransferError when prefill_worker is not open or the ids are out
+        of range, of different lengths, or repeat a destination (nothing is copied then)."""
         remote = self._remotes.get(prefill_worker)
         if remote is None:
             raise KVTransferError(f"prefill worker {prefill_worker} is not open")
-        _check_block_ids(src_block_ids, dst_block_ids, remote.layout.num_blocks, self.layout.num_blocks)
+        num_src_blocks = min(rank.layout.num_blocks for rank in remote.ranks.values())
+        _check_block_ids(src_block_ids, dst_block_ids, num_src_blocks, self.layout.num_blocks)
         if not src_block_ids:
             return PullHandle()
-        return self._copy(remote.handle, src_block_ids, dst_block_ids)
+        handles = {rank: opened.handle for rank, opened in remote.ranks.items()}
+        return self._copy(handles, remote.segments, src_block_ids, dst_block_ids)
 
     def close(self, prefill_worker: int) -> None:
-        """Drop the mapping of prefill_worker's pool (no-op if not open)."""
+        """Drop the mappings of prefill_worker's pools (no-op if not open)."""
         remote = self._remotes.pop(prefill_worker, None)
         if remote is not None:
-            self._detach(remote.handle)
+            for opened in remote.ranks.values():
+                self._detach(opened.handle)
 
     def close_all(self) -> None:
         for prefill_worker in list(self._remotes):
             self.close(prefill_worker)
 
-    def _remote_layout(self, descriptor: dict[str, Any]) -> KVLayout:
-        num_blocks = descriptor_field(descriptor, "num_blocks", int)
+    def _remote_layout(self, entry: dict[str, Any], remote_fp: dict[str, Any]) -> KVLayout:
+        """The layout of the remote rank `entry` describes, checked against the ranges of its fingerprint."""
+        rank, num_blocks = entry["tp_rank"], descriptor_field(entry, "num_blocks", int)
         try:
-            layout = replace(self.layout, num_blocks=num_blocks)
+            layout = replace(self.layout, num_blocks=num_blocks, tp_size=remote_fp.get("tp_size", 1), tp_rank=rank)
         except ValueError as exc:
             raise KVTransferError(f"bad descriptor: {exc}") from None
-        shape = tuple(descriptor_field(descriptor, "shape", list))
+        heads = kv_head_ranges(remote_fp)[rank]
+        if layout.heads != heads:  # NOTE: both sides split heads with core.parallel.kv_head_range
+            raise KVTransferError(f"remote rank {rank} holds KV heads {heads}, TP rank {rank} here {layout.heads}")
+        shape = tuple(descriptor_field(entry, "shape", list))
         if shape != layout.shape:
             raise KVTransferError(f"descriptor shape {shape} != {layout.shape} implied by its fingerprint")
         return layout
 
     @abstractmethod
-    def _attach(self, descriptor: dict[str, Any], remote_layout: KVLayout) -> Any:
-        """Map the remote pool (a tensor of remote_layout's shape and dtype) or connect to its source."""
+    def _attach(self, entry: dict[str, Any], remote_layout: KVLayout) -> Any:
+        """Map the pool of the remote rank `entry` describes (a tensor of remote_layout's shape and dtype) or
+        connect to its source."""
 
     def _detach(self, handle: Any) -> None:  # noqa: B027 - optional hook
         """Let go of what _attach returned (default: nothing to do beyond dropping it)."""
 
     @abstractmethod
-    def _copy(self, remote: Any, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
-        """local[:, :, dst] = remote[:, :, src] (ids already checked): done, or enqueued and ordered before
-        the caller's current stream, on return; the handle tells when the source blocks are no longer read."""
+    def _copy(
+        self, remotes: dict[int, Any], segments: tuple[Segment, ...], src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> PullHandle:
+        """For each segment s: local[:, :, dst, :, s.dst_head:+s.num_heads] = remotes[s.rank][:, :, src, :,
+        s.src_head:+s.num_heads] (ids already checked): done, or enqueued and ordered before the caller's current
+        stream, on return; the handle tells when the source blocks are no longer read."""
 
 
 def make_source(kind: str, pool: KVPool, host: str = "127.0.0.1") -> KVTransferSource:

@@ -1,19 +1,22 @@
-"""CUDA transport: the prefill pool's memory is exported by CUDA IPC handle; the sink maps it and copies.
+"""CUDA transport: each prefill rank's pool memory is exported by CUDA IPC handle; a sink maps the pools of
+the ranks holding its KV heads and copies those heads of the blocks out.
 
 Follows torch.multiprocessing.reductions (reduce_tensor / rebuild_cuda_tensor): the source calls
 `untyped_storage()._share_cuda_()` once per descriptor (each call gets its own IPC ref-counter slot,
 released when the sink drops its mapping), the sink rebuilds the storage with
 `torch.UntypedStorage._new_shared_cuda(...)` and views it with the pool's shape and dtype.
 
-NOTE: the GPU is named by UUID in the descriptor, so the two processes may number devices differently
-(CUDA_VISIBLE_DEVICES); the source's GPU must be visible to the sink. Mapping a handle creates a CUDA
-context on the source's GPU in the sink process. When the GPUs differ and the sink's GPU can reach the
+NOTE: the GPU is named by UUID in each rank's entry of the group descriptor, so the processes may number devices
+differently (CUDA_VISIBLE_DEVICES); the source's GPU must be visible to the sink. Mapping a handle creates a
+CUDA context on the source's GPU in the sink process. When the GPUs differ and the sink's GPU can reach the
 source's (peer access: NVLink or PCIe P2P), the handle is mapped on the sink's GPU (CUDA enables peer access
-lazily) and the block-copy kernel runs there, reading the source pool directly: one launch, as on one GPU.
-Without peer access the blocks are gathered on the source's GPU, cross with one copy (staged through the host by
-CUDA) and are scattered on the sink's.
-NOTE: pulls are asynchronous: the copy runs on the sink's stream and the caller's current stream waits on
-its event on the GPU; the host only ever queries that event (PullHandle.done), see kvtransfer.base.
+lazily) and the block-copy kernel runs there, reading the source pool directly: one launch per head segment
+(kvtransfer.base.plan_segments), as on one GPU. Without peer access a segment's heads of the blocks are
+gathered on the source's GPU, cross with one copy (staged through the host by CUDA) and are scattered on the
+sink's.
+NOTE: pulls are asynchronous: every segment's copy runs on the sink's stream, then one event is recorded there
+and the caller's current stream waits on it on the GPU; the host only ever queries that event
+(PullHandle.done), see kvtransfer.base.
 """
 
 from __future__ import annotations
@@ -22,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pdserve.kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, PullHandle, descriptor_field
+from pdserve.kvtransfer.base import (
+    KVTransferError,
+    KVTransferSink,
+    KVTransferSource,
+    PullHandle,
+    Segment,
+    descriptor_field,
+)
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.pool import KVPool
 
@@ -59,7 +69,7 @@ class CudaIpcSource(KVTransferSource):
 
 class CudaIpcSink(KVTransferSink):
     """Copies blocks from mapped CUDA pools into a local CUDA pool on the sink's own streams; the caller's
-    current stream waits on the copy's event, the host does not (pull returns a handle to poll)."""
+    current stream waits on the copies' event, the host does not (pull returns a handle to poll)."""
 
     transport = "cuda_ipc"
 
@@ -69,66 +79,79 @@ class CudaIpcSink(KVTransferSink):
         super().__init__(local_pool, layout)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._reads: dict[torch.device, bool] = {local_pool.device: True}  # may kernels on our GPU read there
-        self._plans: dict[int, BlockCopy] = {}  # a remote pool's data_ptr -> its planned copy into ours
+        self._plans: dict[tuple[int, Segment], BlockCopy] = {}  # (a remote pool's data_ptr, segment) -> its copy
 
-    def _attach(self, descriptor: dict[str, Any], remote_layout: KVLayout) -> torch.Tensor:
-        device = _local_index(descriptor)
+    def _attach(self, entry: dict[str, Any], remote_layout: KVLayout) -> torch.Tensor:
+        device = _local_index(entry)
         local = self.local_pool.device
         if device != local.index and torch.cuda.can_device_access_peer(local, device):
             device = local.index  # NOTE: mapped into our GPU's context: kernels here read it over the link
-        storage = _open_storage(descriptor, device)
+        storage = _open_storage(entry, device)
         if storage.nbytes() < remote_layout.nbytes:
             raise KVTransferError(f"exported storage has {storage.nbytes()} bytes, the pool {remote_layout.nbytes}")
         flat = torch.empty((0,), dtype=remote_layout.torch_dtype, device=storage.device).set_(storage)
         return flat[: remote_layout.nbytes // remote_layout.torch_dtype.itemsize].view(remote_layout.shape)
 
-    def _copy(self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
+    def _copy(
+        self, remotes: dict[int, Any], segments: tuple[Segment, ...], src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> PullHandle:
         local = self.local_pool.tensor
         local_stream = self._stream(local.device)
         compute_stream = torch.cuda.current_stream(local.device)
         # Earlier work on the local pool (e.g. a copy-on-write) lands before ours.
         local_stream.wait_stream(compute_stream)
+        keep_alive: list[torch.Tensor] = list(remotes.values())
+        ids_gpu: torch.Tensor | None = None  # [2, n] source and destination ids, shared by the segments' launches
         with torch.cuda.stream(local_stream):
-            if self._kernel_reads(remote.device):
-                keep_alive = self._gather_copy(remote, src_block_ids, dst_block_ids)
-            else:
-                with torch.cuda.stream(self._stream(remote.device)):
-                    keep_alive = self._staged_copy(remote, src_block_ids, dst_block_ids)
+            for segment in segments:
+                remote = remotes[segment.rank]
+                if not self._kernel_reads(remote.device):
+                    with torch.cuda.stream(self._stream(remote.device)):
+                        keep_alive += self._staged_copy(remote, segment, src_block_ids, dst_block_ids)
+                    continue
+                if ids_gpu is None:
+                    ids_cpu, ids_gpu = self._upload_ids(src_block_ids, dst_block_ids)
+                    keep_alive += (ids_cpu, ids_gpu)
+                self._plan(remote, segment)(ids_gpu[0], ids_gpu[1])
             done = torch.cuda.Event()
             done.record(local_stream)
         compute_stream.wait_event(done)  # NOTE: a GPU-side wait: later work on the pool sees the blocks
-        return PullHandle(done, (remote, *keep_alive))
+        return PullHandle(done, tuple(keep_alive))
 
-    def _gather_copy(
-        self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]
-    ) -> tuple[torch.Tensor, ...]:
-        """One block-copy launch (every block of every layer, K and V) on the sink's GPU and stream, reading
-        the remote pool in place (on this GPU or a peer's); returns the id buffers it reads."""
+    def _upload_ids(self, src_block_ids: list[int], dst_block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[2, n] source and destination ids, pinned on the host and copied to our GPU on the current (sink)
+        stream; both must live until the copies that read them have run."""
+        ids_cpu = torch.tensor([src_block_ids, dst_block_ids], dtype=torch.long, pin_memory=True)
+        return ids_cpu, ids_cpu.to(self.local_pool.device, non_blocking=True)
+
+    def _plan(self, remote: torch.Tensor, segment: Segment) -> BlockCopy:
+        """The block-copy launch of one segment on the sink's GPU, reading the remote pool in place (on this
+        GPU or a peer's); planned once per mapping and segment (checks, word views): the launch is most of a pull."""
         from pdserve.kernels.block_copy import BlockCopy  # NOTE: imported here: only CUDA sinks need triton
 
-        local = self.local_pool.tensor
-        plan = self._plans.get(remote.data_ptr())
-        if plan is None:  # NOTE: planned once per mapping (checks, word views): the launch is most of a pull
-            plan = self._plans[remote.data_ptr()] = BlockCopy(remote, local)
-        # [2, n] source and destination ids, uploaded from pinned memory on the sink stream
-        ids_cpu = torch.tensor([src_block_ids, dst_block_ids], dtype=torch.long, pin_memory=True)
-        ids_gpu = ids_cpu.to(local.device, non_blocking=True)
-        plan(ids_gpu[0], ids_gpu[1])
-        return ids_cpu, ids_gpu
+        key = (remote.data_ptr(), segment)
+        if key not in self._plans:
+            src_heads = (segment.src_head, segment.num_heads)
+            dst_heads = (segment.dst_head, segment.num_heads)
+            self._plans[key] = BlockCopy(remote, self.local_pool.tensor, src_heads=src_heads, dst_heads=dst_heads)
+        return self._plans[key]
 
     def _detach(self, handle: torch.Tensor) -> None:
-        """The plan holds views of the mapped pool: dropping it lets the mapping go."""
-        self._plans.pop(handle.data_ptr(), None)
+        """The plans hold views of the mapped pool: dropping them lets the mapping go."""
+        for key in [key for key in self._plans if key[0] == handle.data_ptr()]:
+            del self._plans[key]
 
     def _staged_copy(
-        self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]
+        self, remote: torch.Tensor, segment: Segment, src_block_ids: list[int], dst_block_ids: list[int]
     ) -> tuple[torch.Tensor, ...]:
-        """Without peer access: gather on the remote GPU, cross with one copy, scatter on ours (current streams:
-        the sink's)."""
-        local = self.local_pool.tensor
+        """Without peer access: gather the segment's heads on the remote GPU, cross with one copy, scatter on ours
+        (current streams: the sink's)."""
+        s = segment
+        local = self.local_pool.tensor[:, :, :, :, s.dst_head : s.dst_head + s.num_heads]  # a view: writes land
         src = torch.tensor(src_block_ids, dtype=torch.long, device=remote.device)
         dst = torch.tensor(dst_block_ids, dtype=torch.long, device=local.device)
-        blocks = remote.index_select(2, src)  # [num_layers, 2, len(src), block_size, kv_heads, head_dim]
+        heads = remote[:, :, :, :, s.src_head : s.src_head + s.num_heads]
+        blocks = heads.index_select(2, src)  # [num_layers, 2, len(src), block_size, s.num_heads, head_dim]
         blocks_local = blocks.to(local.device, non_blocking=True)  # staged through the host by CUDA
         local.index_copy_(2, dst, blocks_local)
         return src, dst, blocks, blocks_local
@@ -161,9 +184,9 @@ def _device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def _local_index(descriptor: dict[str, Any]) -> int:
-    """This process's index of the source's GPU, found by UUID."""
-    uuid = descriptor_field(descriptor, "device_uuid", str)
+def _local_index(entry: dict[str, Any]) -> int:
+    """This process's index of the source rank's GPU, found by UUID."""
+    uuid = descriptor_field(entry, "device_uuid", str)
     torch.cuda.init()
     for index in range(torch.cuda.device_count()):
         if _device_uuid(index) == uuid:
@@ -171,7 +194,7 @@ def _local_index(descriptor: dict[str, Any]) -> int:
     raise KVTransferError(f"the prefill pool's GPU {uuid} is not visible here (CUDA_VISIBLE_DEVICES?)")
 
 
-def _open_storage(descriptor: dict[str, Any], device: int) -> torch.UntypedStorage:
+def _open_storage(entry: dict[str, Any], device: int) -> torch.UntypedStorage:
     """rebuild_cuda_tensor's steps: map the IPC handle (waiting on the source's event when required)."""
     fields = [
         ("handle", bytes),
@@ -182,7 +205,7 @@ def _open_storage(descriptor: dict[str, Any], device: int) -> torch.UntypedStora
         ("event_handle", bytes),
         ("event_sync_required", bool),
     ]
-    args = [descriptor_field(descriptor, name, kind) for name, kind in fields]
+    args = [descriptor_field(entry, name, kind) for name, kind in fields]
     try:
         return torch.UntypedStorage._new_shared_cuda(device, *args)
     except RuntimeError as exc:

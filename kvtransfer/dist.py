@@ -3,16 +3,18 @@ per prefill/decode pair: gloo for CPU pools, NCCL for CUDA pools (request header
 hand-written sockets carry KV bytes.
 
 Neither side can read the other's memory, so a pull is a request the source answers:
-- The source hosts a TCPStore (its address is the descriptor) and a daemon thread that watches it for new
-  sessions; each sink that opens the pool registers a session id there and joins a fresh gloo group (rank 1)
-  under that prefix, plus an NCCL group for a CUDA pool; the source's thread joins them as rank 0 and serves
-  them from its own thread (on its own CUDA stream).
+- The source hosts a TCPStore (its address is in the descriptor's one rank entry) and a daemon thread that
+  watches it for new sessions; each sink that opens the pool registers a session id there and joins a fresh
+  gloo group (rank 1) under that prefix, plus an NCCL group for a CUDA pool; the source's thread joins them as
+  rank 0 and serves them from its own thread (on its own CUDA stream).
 - pull: the sink sends a header [n, src ids...] (gloo, tag 0), the source gathers those blocks of its pool
   and sends them as one tensor (tag 1), the sink scatters them into its pool. CPU: synchronous, the handle is
   done on return, so the lease is released as with shm. CUDA: the receive and the scatter are enqueued on the
   sink's current stream without blocking the host; the handle's event completes after them, and the source
   has sent every byte by then, so the lease is released as with cuda_ipc. A header with n = -1 ends the
   session.
+NOTE: both workers must be of TP size 1 (a sink refuses any other open): a pull moves whole blocks of the one
+pool on each side, and the source serves no head slices.
 NOTE: the serving thread reads leased blocks only (the prefill worker never writes a leased block), so it
 needs no lock with the worker's loop.
 NOTE: the store binds `host` (loopback unless the worker is told otherwise): crossing hosts is an explicit
@@ -31,7 +33,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from pdserve.kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, PullHandle, descriptor_field
+from pdserve.kvtransfer.base import (
+    KVTransferError,
+    KVTransferSink,
+    KVTransferSource,
+    PullHandle,
+    Segment,
+    descriptor_field,
+)
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.pool import KVPool
 
@@ -131,11 +140,22 @@ class DistSink(KVTransferSink):
             raise KVTransferError(f"the dist transport copies into CPU and CUDA pools, not {local_pool.device}")
         super().__init__(local_pool, layout)
 
-    def _attach(self, descriptor: dict[str, Any], remote_layout: KVLayout) -> _Session:
-        host, port = descriptor_field(descriptor, "host", str), descriptor_field(descriptor, "port", int)
+    def open(
+        self, prefill_worker: int, descriptor: dict[str, Any], remote_fingerprint: dict[str, Any] | None = None
+    ) -> None:
+        """KVTransferSink.open, refused (KVTransferError) unless both workers are of TP size 1."""
+        sizes = [_tp_size(fp) for fp in (descriptor.get("fingerprint"), remote_fingerprint)]
+        local, remote = self.layout.tp_size, next((size for size in sizes if size != 1), 1)
+        if local != 1 or remote != 1:
+            sizes_text = f"decode TP {local}, prefill TP {remote}"
+            raise KVTransferError(f"the dist transport moves KV between workers of TP size 1 only ({sizes_text})")
+        super().open(prefill_worker, descriptor, remote_fingerprint)
+
+    def _attach(self, entry: dict[str, Any], remote_layout: KVLayout) -> _Session:
+        host, port = descriptor_field(entry, "host", str), descriptor_field(entry, "port", int)
         device = self.local_pool.device
-        if descriptor_field(descriptor, "device_type", str) != device.type:
-            raise KVTransferError(f"a {descriptor['device_type']} pool cannot be pulled into a {device.type} pool")
+        if descriptor_field(entry, "device_type", str) != device.type:
+            raise KVTransferError(f"a {entry['device_type']} pool cannot be pulled into a {device.type} pool")
         session = uuid.uuid4().hex
         try:
             store = dist.TCPStore(host, port, is_master=False, timeout=TIMEOUT)
@@ -152,7 +172,10 @@ class DistSink(KVTransferSink):
             end[0] = -1
             handle.ctrl.send([end], 0, HEADER_TAG).wait()
 
-    def _copy(self, remote: Any, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
+    def _copy(
+        self, remotes: dict[int, Any], segments: tuple[Segment, ...], src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> PullHandle:
+        (remote,) = remotes.values()  # NOTE: TP size 1 on both sides: one segment, every head of both pools
         for start in range(0, len(src_block_ids), MAX_BLOCKS_PER_MESSAGE):
             src = src_block_ids[start : start + MAX_BLOCKS_PER_MESSAGE]
             dst = torch.tensor(dst_block_ids[start : start + MAX_BLOCKS_PER_MESSAGE], dtype=torch.long)
@@ -178,3 +201,8 @@ class DistSink(KVTransferSink):
         except RuntimeError as exc:
             raise KVTransferError(f"KV pull failed: {exc}") from None
         self.local_pool.tensor.index_copy_(2, dst.to(device), blocks)
+
+
+def _tp_size(fingerprint: Any) -> Any:
+    """The TP size a fingerprint names (1 when it names none, or is no mapping: the base checks refuse those)."""
+    return fingerprint.get("tp_size", 1) if isinstance(fingerprint, dict) else 1

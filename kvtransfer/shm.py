@@ -1,4 +1,5 @@
-"""CPU transport: the prefill pool lives in POSIX shared memory; the sink maps it and copies blocks out."""
+"""CPU transport: each prefill rank's pool lives in POSIX shared memory; a sink maps those of the ranks holding
+its KV heads and copies blocks (those heads of them) out."""
 
 from __future__ import annotations
 
@@ -6,7 +7,14 @@ from typing import Any
 
 import torch
 
-from pdserve.kvtransfer.base import KVTransferError, KVTransferSink, KVTransferSource, PullHandle, descriptor_field
+from pdserve.kvtransfer.base import (
+    KVTransferError,
+    KVTransferSink,
+    KVTransferSource,
+    PullHandle,
+    Segment,
+    descriptor_field,
+)
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.pool import KVPool, attach_shm_pool
 
@@ -28,8 +36,8 @@ class ShmSource(KVTransferSource):
 
 
 class ShmSink(KVTransferSink):
-    """Copies blocks from mapped shared-memory pools into a local CPU pool, one index_select/index_copy_
-    over the block dim of the whole pool per pull; synchronous, so every handle is done at once."""
+    """Copies blocks from mapped shared-memory pools into a local CPU pool, one index_select/index_copy_ over
+    the block dim per head segment of a pull; synchronous, so every handle is done at once."""
 
     transport = "shm"
 
@@ -38,8 +46,8 @@ class ShmSink(KVTransferSink):
             raise KVTransferError(f"the shm transport copies into a CPU pool, not {local_pool.device}")
         super().__init__(local_pool, layout)
 
-    def _attach(self, descriptor: dict[str, Any], remote_layout: KVLayout) -> torch.Tensor:
-        name = descriptor_field(descriptor, "shm_name", str)
+    def _attach(self, entry: dict[str, Any], remote_layout: KVLayout) -> torch.Tensor:
+        name = descriptor_field(entry, "shm_name", str)
         try:
             return attach_shm_pool(name, remote_layout).tensor
         except FileNotFoundError:
@@ -47,9 +55,14 @@ class ShmSink(KVTransferSink):
         except ValueError as exc:
             raise KVTransferError(str(exc)) from None
 
-    def _copy(self, remote: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
+    def _copy(
+        self, remotes: dict[int, Any], segments: tuple[Segment, ...], src_block_ids: list[int], dst_block_ids: list[int]
+    ) -> PullHandle:
         src = torch.tensor(src_block_ids, dtype=torch.long)
         dst = torch.tensor(dst_block_ids, dtype=torch.long)
-        blocks = remote.index_select(2, src)  # [num_layers, 2, len(src), block_size, num_kv_heads, head_dim]
-        self.local_pool.tensor.index_copy_(2, dst, blocks)
+        for s in segments:
+            remote = remotes[s.rank][:, :, :, :, s.src_head : s.src_head + s.num_heads]
+            local = self.local_pool.tensor[:, :, :, :, s.dst_head : s.dst_head + s.num_heads]  # a view: writes land
+            blocks = remote.index_select(2, src)  # [num_layers, 2, len(src), block_size, s.num_heads, head_dim]
+            local.index_copy_(2, dst, blocks)
         return PullHandle()

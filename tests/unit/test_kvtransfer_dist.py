@@ -68,17 +68,43 @@ def test_a_mismatched_layout_is_refused_before_connecting(source: kvdist.DistSou
 def test_an_unreachable_source_is_a_transfer_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kvdist, "TIMEOUT", kvdist.datetime.timedelta(seconds=1))
     sink = make_sink("dist", allocate_kv_pool(SINK, "cpu", shared=False), SINK)
-    desc = {"transport": "dist", "fingerprint": LAYOUT.fingerprint(), "num_blocks": 32, "shape": list(LAYOUT.shape)}
+    rank = {"tp_rank": 0, "num_blocks": 32, "shape": list(LAYOUT.shape)}
+    desc = {"transport": "dist", "fingerprint": LAYOUT.fingerprint()}
     with pytest.raises(KVTransferError, match="cannot reach the KV source"):
-        sink.open(0, {**desc, "host": "127.0.0.1", "port": 1, "device_type": "cpu"})
+        sink.open(0, {**desc, "ranks": [{**rank, "host": "127.0.0.1", "port": 1, "device_type": "cpu"}]})
 
 
 def test_a_cuda_source_is_refused_by_a_cpu_sink(source: kvdist.DistSource) -> None:
     """NCCL carries the blocks of a CUDA pool: they cannot be received into a CPU pool (nor the reverse)."""
     sink = make_sink("dist", allocate_kv_pool(SINK, "cpu", shared=False), SINK)
+    desc = descriptor(source)
     with pytest.raises(KVTransferError, match="a cuda pool cannot be pulled into a cpu pool"):
-        sink.open(0, {**descriptor(source), "device_type": "cuda"})
-    assert descriptor(source)["device_type"] == "cpu"
+        sink.open(0, {**desc, "ranks": [{**desc["ranks"][0], "device_type": "cuda"}]})
+    assert desc["ranks"][0]["device_type"] == "cpu"
+
+
+def test_the_descriptor_is_a_group_of_one_rank(source: kvdist.DistSource) -> None:
+    desc = descriptor(source)
+    assert desc["transport"] == "dist" and desc["fingerprint"] == LAYOUT.fingerprint()
+    assert desc["ranks"] == [
+        {"tp_rank": 0, "num_blocks": 32, "shape": list(LAYOUT.shape), "host": "127.0.0.1",
+         "port": source.store.port, "device_type": "cpu"}
+    ]  # fmt: skip
+
+
+def test_workers_of_tp_size_above_1_are_refused_before_connecting(source: kvdist.DistSource) -> None:
+    message = r"^the dist transport moves KV between workers of TP size 1 only \(decode TP {}, prefill TP {}\)$"
+    two = replace(SINK, tp_size=2, tp_rank=1)
+    sink = make_sink("dist", allocate_kv_pool(two, "cpu", shared=False), two)
+    with pytest.raises(KVTransferError, match=message.format(2, 1)):
+        sink.open(0, descriptor(source))
+    sink = make_sink("dist", allocate_kv_pool(SINK, "cpu", shared=False), SINK)
+    group_fp = replace(LAYOUT, tp_size=2).fingerprint()
+    with pytest.raises(KVTransferError, match=message.format(1, 2)):
+        sink.open(0, {**descriptor(source), "fingerprint": group_fp})
+    with pytest.raises(KVTransferError, match=message.format(1, 2)):
+        sink.open(0, descriptor(source), group_fp)
+    assert not sink.is_open(0) and source.store.add(kvdist.SESSIONS_KEY, 0) == 0  # no session registered
 
 
 @pytest.mark.parametrize(

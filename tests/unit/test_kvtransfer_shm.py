@@ -33,12 +33,12 @@ import json, sys
 from dataclasses import replace
 import msgpack, torch
 from pdserve.kvtransfer.base import make_sink
-from pdserve.kvtransfer.layout import KVLayout
+from pdserve.kvtransfer.layout import FINGERPRINT_FIELDS, KVLayout
 from pdserve.kvtransfer.pool import allocate_kv_pool
 
 out, src, dst, num_blocks = sys.argv[1], *map(json.loads, sys.argv[2:5])
 desc = msgpack.unpackb(sys.stdin.buffer.read(), raw=False)
-layout = KVLayout(**desc["fingerprint"], num_blocks=num_blocks)
+layout = KVLayout(**{name: desc["fingerprint"][name] for name in FINGERPRINT_FIELDS}, num_blocks=num_blocks)
 local = allocate_kv_pool(layout, "cpu", shared=False)
 sink = make_sink("shm", local, layout)
 sink.open(0, desc, layout.fingerprint())
@@ -153,9 +153,7 @@ def test_descriptor_travels_in_a_handshake_event(source_pool: KVPool) -> None:
     assert desc == {
         "transport": "shm",
         "fingerprint": LAYOUT.fingerprint(),
-        "num_blocks": 32,
-        "shape": [3, 2, 32, 4, 2, 8],
-        "shm_name": source_pool.shm_name,
+        "ranks": [{"tp_rank": 0, "num_blocks": 32, "shape": [3, 2, 32, 4, 2, 8], "shm_name": source_pool.shm_name}],
     }
     reply = decode(encode(HandshakeEvent(ok=True, pool_id="p", descriptor=desc)))
     assert isinstance(reply, HandshakeEvent) and reply.descriptor == desc
@@ -184,12 +182,22 @@ def test_open_refuses_other_transport_and_malformed_descriptors(source_pool: KVP
     desc = make_source("shm", source_pool).descriptor()
     local = local_pool()
     sink = make_sink("shm", local, local.layout)
+    rank = desc["ranks"][0]
+    bad_ranks = [
+        {**rank, "shape": [3, 2, 31, 4, 2, 8]},
+        {**rank, "num_blocks": True},
+        {**rank, "shm_name": "../../etc/passwd"},
+        {**rank, "shm_name": "pdserve_kv_gone"},
+        {**rank, "tp_rank": 1},
+        {**rank, "tp_rank": None},
+    ]
     bad = [
         {**desc, "transport": "cuda_ipc"},
-        {**desc, "shape": [3, 2, 31, 4, 2, 8]},
-        {**desc, "num_blocks": True},
-        {**desc, "shm_name": "../../etc/passwd"},
-        {**desc, "shm_name": "pdserve_kv_gone"},
+        {**desc, "ranks": None},
+        {**desc, "ranks": []},
+        {**desc, "ranks": [rank, rank]},
+        {**desc, "ranks": ["rank 0"]},
+        *({**desc, "ranks": [r]} for r in bad_ranks),
     ]
     for d in bad:
         with pytest.raises(KVTransferError):
