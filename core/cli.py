@@ -86,6 +86,4 @@ def worker_args_error(args: argparse.Namespace) -> str | None:
         return f"--tp-size must be >= 1 (got {args.tp_size}; rank {args.tp_rank})"
     if args.tp_rank > 0 and args.tp_group is None:
         return "--tp-rank is set by rank 0 of a TP group, with --tp-group"
-    if args.tp_size > 1 and args.transport == "dist":
-        return "--transport dist moves KV between workers of TP size 1 only"
     return None

@@ -1,22 +1,26 @@
 """Cross-host transport: KV blocks travel over torch.distributed point-to-point on one two-rank process group
-per prefill/decode pair: gloo for CPU pools, NCCL for CUDA pools (request headers always go over gloo). No
-hand-written sockets carry KV bytes.
+per (prefill rank, decode rank) pair: gloo for CPU pools, NCCL for CUDA pools (request headers always go over
+gloo). No hand-written sockets carry KV bytes.
 
 Neither side can read the other's memory, so a pull is a request the source answers:
-- The source hosts a TCPStore (its address is in the descriptor's one rank entry) and a daemon thread that
-  watches it for new sessions; each sink that opens the pool registers a session id there and joins a fresh
+- The source hosts a TCPStore (its address is in its rank's entry of the group descriptor) and a daemon thread
+  that watches it for new sessions; each sink that opens the pool registers a session id there and joins a fresh
   gloo group (rank 1) under that prefix, plus an NCCL group for a CUDA pool; the source's thread joins them as
   rank 0 and serves them from its own thread (on its own CUDA stream).
-- pull: the sink sends a header [n, src ids...] (gloo, tag 0), the source gathers those blocks of its pool
-  and sends them as one tensor (tag 1), the sink scatters them into its pool. CPU: synchronous, the handle is
-  done on return, so the lease is released as with shm. CUDA: the receive and the scatter are enqueued on the
-  sink's current stream without blocking the host; the handle's event completes after them, and the source
-  has sent every byte by then, so the lease is released as with cuda_ipc. A header with n = -1 ends the
-  session.
-NOTE: both workers must be of TP size 1 (a sink refuses any other open): a pull moves whole blocks of the one
-pool on each side, and the source serves no head slices.
-NOTE: the serving thread reads leased blocks only (the prefill worker never writes a leased block), so it
-needs no lock with the worker's loop.
+- pull: one request per head segment (kvtransfer.base.plan_segments) per chunk of blocks: the sink sends a
+  header [n, src_head, num_heads, block ids...] (gloo, tag 0) to the source of the segment's prefill rank, the
+  source gathers heads [src_head, src_head + num_heads) of those blocks of its pool and sends them as one
+  tensor (tag 1), the sink scatters them into its segment's heads. Every segment's header is sent and its
+  receive posted before the sink waits on any, so the prefill ranks gather and send at once. CPU: synchronous,
+  the handle is done on return, so the lease is released as with shm. CUDA: the receives and the scatters are
+  enqueued on the sink's current stream without blocking the host; the handle's event completes after them,
+  and every source has sent every byte by then, so the lease is released as with cuda_ipc. A header with
+  n = -1 ends the session.
+NOTE: workers may be TP groups of any sizes: each prefill rank hosts a source of its own pool (its rank entry of
+the group descriptor holds its store's address, on its worker's host), and a decode rank opens sessions only
+with the prefill ranks its segments read, one session per (prefill rank, decode rank) pair.
+NOTE: the serving thread reads leased blocks only (no rank of the prefill worker writes a leased block), so it
+needs no lock with the rank's loop.
 NOTE: the store binds `host` (loopback unless the worker is told otherwise): crossing hosts is an explicit
 opt-in, like every other socket of the cluster.
 """
@@ -46,9 +50,11 @@ from pdserve.kvtransfer.pool import KVPool
 
 log = logging.getLogger(__name__)
 TIMEOUT = datetime.timedelta(seconds=30)
-HEADER_LEN = 1 + 1024
-"""Request header: [n, up to 1024 block ids] (padded)."""
-MAX_BLOCKS_PER_MESSAGE = HEADER_LEN - 1
+HEADER_FIELDS = 3
+"""Request header fields before the block ids: [n, src_head, num_heads]."""
+HEADER_LEN = HEADER_FIELDS + 1024
+"""Request header: [n, src_head, num_heads, up to 1024 block ids] (padded)."""
+MAX_BLOCKS_PER_MESSAGE = HEADER_LEN - HEADER_FIELDS
 """Blocks per request (a longer pull is split)."""
 HEADER_TAG, BLOCKS_TAG = 0, 1
 WATCH_INTERVAL_S = 0.02
@@ -105,15 +111,24 @@ class DistSource(KVTransferSource):
                 header = torch.empty(HEADER_LEN, dtype=torch.int64)
                 while not self._stop.is_set():
                     ctrl.recv([header], 1, HEADER_TAG).wait()
-                    n = int(header[0])
-                    if n < 0:
+                    if int(header[0]) < 0:
                         return
-                    ids = header[1 : 1 + n].to(device)
-                    blocks = self.pool.tensor.index_select(2, ids)  # [L, 2, n, block, heads, dim]
-                    data.send([blocks], 1, BLOCKS_TAG).wait()
-                    self.num_served += n
-        except RuntimeError as exc:  # NOTE: the sink went away (gloo or NCCL report a closed connection)
+                    data.send([self._gather(header)], 1, BLOCKS_TAG).wait()
+                    self.num_served += int(header[0])
+        except RuntimeError as exc:  # NOTE: the sink went away (a closed connection) or asked outside the pool
             log.info("KV session %s ended: %s", session, exc)
+
+    def _gather(self, header: torch.Tensor) -> torch.Tensor:
+        """The heads and blocks a header asks for, contiguous: [num_layers, 2, n, block_size, num_heads, head_dim];
+        KVTransferError (ends the session) for heads or blocks outside the pool."""
+        n, src_head, num_heads = (int(v) for v in header[:HEADER_FIELDS])
+        ids = header[HEADER_FIELDS : HEADER_FIELDS + n]
+        _, _, num_blocks, _, pool_heads, _ = self.pool.tensor.shape
+        bad_blocks = bool(((ids < 0) | (ids >= num_blocks)).any())
+        if not 0 < n <= MAX_BLOCKS_PER_MESSAGE or bad_blocks or not 0 <= src_head < src_head + num_heads <= pool_heads:
+            raise KVTransferError(f"a request for {n} blocks of heads [{src_head}, +{num_heads}) of {pool_heads}")
+        heads = self.pool.tensor[:, :, :, :, src_head : src_head + num_heads]
+        return heads.index_select(2, ids.to(self.pool.device)).contiguous()
 
 
 def _own_stream(device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -140,17 +155,6 @@ class DistSink(KVTransferSink):
             raise KVTransferError(f"the dist transport copies into CPU and CUDA pools, not {local_pool.device}")
         super().__init__(local_pool, layout)
 
-    def open(
-        self, prefill_worker: int, descriptor: dict[str, Any], remote_fingerprint: dict[str, Any] | None = None
-    ) -> None:
-        """KVTransferSink.open, refused (KVTransferError) unless both workers are of TP size 1."""
-        sizes = [_tp_size(fp) for fp in (descriptor.get("fingerprint"), remote_fingerprint)]
-        local, remote = self.layout.tp_size, next((size for size in sizes if size != 1), 1)
-        if local != 1 or remote != 1:
-            sizes_text = f"decode TP {local}, prefill TP {remote}"
-            raise KVTransferError(f"the dist transport moves KV between workers of TP size 1 only ({sizes_text})")
-        super().open(prefill_worker, descriptor, remote_fingerprint)
-
     def _attach(self, entry: dict[str, Any], remote_layout: KVLayout) -> _Session:
         host, port = descriptor_field(entry, "host", str), descriptor_field(entry, "port", int)
         device = self.local_pool.device
@@ -175,34 +179,44 @@ class DistSink(KVTransferSink):
     def _copy(
         self, remotes: dict[int, Any], segments: tuple[Segment, ...], src_block_ids: list[int], dst_block_ids: list[int]
     ) -> PullHandle:
-        (remote,) = remotes.values()  # NOTE: TP size 1 on both sides: one segment, every head of both pools
         for start in range(0, len(src_block_ids), MAX_BLOCKS_PER_MESSAGE):
             src = src_block_ids[start : start + MAX_BLOCKS_PER_MESSAGE]
             dst = torch.tensor(dst_block_ids[start : start + MAX_BLOCKS_PER_MESSAGE], dtype=torch.long)
-            self._pull_chunk(remote, src, dst)
+            self._pull_chunk(remotes, segments, src, dst.to(self.local_pool.device))
         if self.local_pool.device.type != "cuda":
             return PullHandle()
         event = torch.cuda.Event()
         event.record()  # NOTE: after the receives and scatters on the current stream
         return PullHandle(event)
 
-    def _pull_chunk(self, remote: _Session, src: list[int], dst: torch.Tensor) -> None:
-        """Ask for blocks src and scatter them into dst; on CUDA, enqueued on the current stream."""
-        header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-        header[0] = len(src)
-        header[1 : 1 + len(src)] = torch.tensor(src, dtype=torch.int64)
-        shape = list(self.layout.shape)
-        shape[2] = len(src)
-        device = self.local_pool.device
-        blocks = torch.empty(shape, dtype=self.layout.torch_dtype, device=device)
+    def _pull_chunk(
+        self, remotes: dict[int, _Session], segments: tuple[Segment, ...], src: list[int], dst: torch.Tensor
+    ) -> None:
+        """Ask each segment's source for its heads of blocks src, then scatter each answer into the segment's heads
+        of blocks dst; on CUDA, enqueued on the current stream."""
         try:
-            remote.ctrl.send([header], 0, HEADER_TAG).wait()
-            remote.data.recv([blocks], 0, BLOCKS_TAG).wait()  # NOTE: NCCL: the current stream waits, not the host
+            received = [self._request(remotes[s.rank], s, src) for s in segments]
+            for s, (work, blocks) in zip(segments, received, strict=True):
+                work.wait()  # NOTE: NCCL: the current stream waits, not the host
+                local = self.local_pool.tensor[:, :, :, :, s.dst_head : s.dst_head + s.num_heads]  # a view: writes land
+                local.index_copy_(2, dst, blocks)
         except RuntimeError as exc:
             raise KVTransferError(f"KV pull failed: {exc}") from None
-        self.local_pool.tensor.index_copy_(2, dst.to(device), blocks)
+
+    def _request(self, remote: _Session, segment: Segment, src: list[int]) -> tuple[Any, torch.Tensor]:
+        """Send the header of one segment's heads of blocks src and post the receive of the answer (before the next
+        header: a source answering an earlier one never waits on us); the receive's work and its buffer
+        [num_layers, 2, len(src), block_size, segment.num_heads, head_dim]."""
+        remote.ctrl.send([_header(src, segment)], 0, HEADER_TAG).wait()
+        shape = list(self.layout.shape)
+        shape[2], shape[4] = len(src), segment.num_heads
+        blocks = torch.empty(shape, dtype=self.layout.torch_dtype, device=self.local_pool.device)
+        return remote.data.recv([blocks], 0, BLOCKS_TAG), blocks
 
 
-def _tp_size(fingerprint: Any) -> Any:
-    """The TP size a fingerprint names (1 when it names none, or is no mapping: the base checks refuse those)."""
-    return fingerprint.get("tp_size", 1) if isinstance(fingerprint, dict) else 1
+def _header(src: list[int], segment: Segment) -> torch.Tensor:
+    """[len(src), src_head, num_heads, src...] padded to HEADER_LEN."""
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[:HEADER_FIELDS] = torch.tensor([len(src), segment.src_head, segment.num_heads])
+    header[HEADER_FIELDS : HEADER_FIELDS + len(src)] = torch.tensor(src, dtype=torch.int64)
+    return header

@@ -49,6 +49,19 @@ from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool, remove_stale_segme
 log = logging.getLogger(__name__)
 
 
+def pair_kinds(transport: str, run_dir: str, worker_id: int, num_decode: int, device: torch.device) -> list[str]:
+    """The transport prefill worker worker_id uses with each decode worker (kvtransfer.base.pair_transport; the
+    hosts from the run dir's topology)."""
+    host = ipc.host_of(run_dir, "prefill", worker_id)
+    return [pair_transport(transport, ipc.host_of(run_dir, "decode", j) == host, device) for j in range(num_decode)]
+
+
+def source_kinds(transport: str, kinds: list[str]) -> list[str]:
+    """The sources every rank of a prefill worker opens: a forced transport's, or under auto each of the pairs'
+    kinds (pair_kinds), once."""
+    return list(dict.fromkeys([transport] if transport != AUTO else kinds))
+
+
 class _Pending(NamedTuple):
     decode_worker: int
     arrival: float
@@ -101,7 +114,7 @@ class PrefillWorker(WorkerBase):
         # fixed here (its own thread: a long step must not hold it up); the pool and layout exist by now.
         self.sources: dict[str, KVTransferSource] = {}
         self.source_errors: dict[str, str] = {}  # transport -> why it cannot be opened (refused in handshakes)
-        self.pair_kinds: list[str] = [self._pair_kind(j) for j in range(num_decode)]
+        self.pair_kinds: list[str] = pair_kinds(transport, run_dir, worker_id, num_decode, self.kv_pool.device)
         self._open_sources(transport)
         self.fingerprint: dict[str, Any] = self.layout.fingerprint()
         self.handshakes: HandshakeServer = HandshakeServer(
@@ -147,19 +160,13 @@ class PrefillWorker(WorkerBase):
             self.pending[cmd.request_id] = _Pending(cmd.decode_worker, cmd.timings.arrival, time.time())
 
     # --- handshakes (answered on the HandshakeServer's thread: read only what __init__ fixed) ---------------
-    def _pair_kind(self, decode_worker: int) -> str:
-        assert self.kv_pool is not None
-        same_host = ipc.host_of(self.run_dir, "decode", decode_worker) == self.host
-        return pair_transport(self.transport, same_host, self.kv_pool.device)
-
     def _open_sources(self, transport: str) -> None:
         """A forced transport must open (a wrong choice fails at start); under auto, a kind that cannot be
-        opened is refused in the handshakes of the decode workers paired with it."""
+        opened, here or on another rank, is refused in the handshakes of the decode workers paired with it."""
         assert self.kv_pool is not None
-        for kind in dict.fromkeys([transport] if transport != AUTO else self.pair_kinds):
+        for kind in source_kinds(transport, self.pair_kinds):
             try:
-                if self.rank_descriptors and not all(kind in d for d in self.rank_descriptors):
-                    raise KVTransferError(f"the {kind} transport cannot move the KV of a TP group")
+                self._check_ranks_export(kind)
                 self.sources[kind] = make_source(kind, self.kv_pool, self.host)
             except (RuntimeError, ValueError, OSError) as exc:
                 if transport != AUTO:
@@ -169,6 +176,16 @@ class PrefillWorker(WorkerBase):
                 continue
             workers = [j for j, k in enumerate(self.pair_kinds) if k == kind]
             log.info("KV transport %s opened (decode workers %s)", kind, workers)
+
+    def _check_ranks_export(self, kind: str) -> None:
+        """KVTransferError unless every other rank of our TP group exported a source of kind."""
+        errors = []
+        for rank, descriptors in enumerate(self.rank_descriptors, start=1):
+            entry = descriptors.get(kind, {"error": "not exported"})
+            if "error" in entry:
+                errors.append(f"TP rank {rank}: {entry['error']}")
+        if errors:
+            raise KVTransferError(f"not every rank of the TP group exported it ({'; '.join(errors)})")
 
     def _answer_handshake(self, frames: list[bytes]) -> HandshakeEvent:
         try:
