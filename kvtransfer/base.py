@@ -128,6 +128,20 @@ class Segment(NamedTuple):
     dst_head: int
     num_heads: int
 
+    def source(self, remote: torch.Tensor) -> torch.Tensor:
+        """The segment's heads of a remote rank's pool (a view)."""
+        return heads_of(remote, self.src_head, self.num_heads)
+
+    def destination(self, local: torch.Tensor) -> torch.Tensor:
+        """The segment's heads of the local pool (a view: writes into it land in the pool)."""
+        return heads_of(local, self.dst_head, self.num_heads)
+
+
+def heads_of(pool: torch.Tensor, first: int, count: int) -> torch.Tensor:
+    """Heads [first, first + count) of every block of a pool [num_layers, 2, num_blocks, block_size, heads, head_dim]
+    (a view)."""
+    return pool[:, :, :, :, first : first + count]
+
 
 def plan_segments(local: KVLayout, remote_ranges: list[tuple[int, int]]) -> tuple[Segment, ...]:
     """The segments that fill every head of local's pool from a group holding remote_ranges ((first, count)

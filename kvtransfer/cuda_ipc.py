@@ -146,12 +146,10 @@ class CudaIpcSink(KVTransferSink):
     ) -> tuple[torch.Tensor, ...]:
         """Without peer access: gather the segment's heads on the remote GPU, cross with one copy, scatter on ours
         (current streams: the sink's)."""
-        s = segment
-        local = self.local_pool.tensor[:, :, :, :, s.dst_head : s.dst_head + s.num_heads]  # a view: writes land
+        local = segment.destination(self.local_pool.tensor)
         src = torch.tensor(src_block_ids, dtype=torch.long, device=remote.device)
         dst = torch.tensor(dst_block_ids, dtype=torch.long, device=local.device)
-        heads = remote[:, :, :, :, s.src_head : s.src_head + s.num_heads]
-        blocks = heads.index_select(2, src)  # [num_layers, 2, len(src), block_size, s.num_heads, head_dim]
+        blocks = segment.source(remote).index_select(2, src)  # [num_layers, 2, len(src), block_size, heads, d]
         blocks_local = blocks.to(local.device, non_blocking=True)  # staged through the host by CUDA
         local.index_copy_(2, dst, blocks_local)
         return src, dst, blocks, blocks_local

@@ -44,6 +44,7 @@ from pdserve.kvtransfer.base import (
     PullHandle,
     Segment,
     descriptor_field,
+    heads_of,
 )
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.pool import KVPool
@@ -127,8 +128,7 @@ class DistSource(KVTransferSource):
         bad_blocks = bool(((ids < 0) | (ids >= num_blocks)).any())
         if not 0 < n <= MAX_BLOCKS_PER_MESSAGE or bad_blocks or not 0 <= src_head < src_head + num_heads <= pool_heads:
             raise KVTransferError(f"a request for {n} blocks of heads [{src_head}, +{num_heads}) of {pool_heads}")
-        heads = self.pool.tensor[:, :, :, :, src_head : src_head + num_heads]
-        return heads.index_select(2, ids.to(self.pool.device)).contiguous()
+        return heads_of(self.pool.tensor, src_head, num_heads).index_select(2, ids.to(self.pool.device)).contiguous()
 
 
 def _own_stream(device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -198,8 +198,7 @@ class DistSink(KVTransferSink):
             received = [self._request(remotes[s.rank], s, src) for s in segments]
             for s, (work, blocks) in zip(segments, received, strict=True):
                 work.wait()  # NOTE: NCCL: the current stream waits, not the host
-                local = self.local_pool.tensor[:, :, :, :, s.dst_head : s.dst_head + s.num_heads]  # a view: writes land
-                local.index_copy_(2, dst, blocks)
+                s.destination(self.local_pool.tensor).index_copy_(2, dst, blocks)
         except RuntimeError as exc:
             raise KVTransferError(f"KV pull failed: {exc}") from None
 

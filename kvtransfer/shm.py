@@ -61,8 +61,6 @@ class ShmSink(KVTransferSink):
         src = torch.tensor(src_block_ids, dtype=torch.long)
         dst = torch.tensor(dst_block_ids, dtype=torch.long)
         for s in segments:
-            remote = remotes[s.rank][:, :, :, :, s.src_head : s.src_head + s.num_heads]
-            local = self.local_pool.tensor[:, :, :, :, s.dst_head : s.dst_head + s.num_heads]  # a view: writes land
-            blocks = remote.index_select(2, src)  # [num_layers, 2, len(src), block_size, s.num_heads, head_dim]
-            local.index_copy_(2, dst, blocks)
+            blocks = s.source(remotes[s.rank]).index_select(2, src)  # [layers, 2, len(src), bs, s.num_heads, d]
+            s.destination(self.local_pool.tensor).index_copy_(2, dst, blocks)
         return PullHandle()

@@ -19,8 +19,8 @@ _BUILDERS = {"llama": llama.build, "gpt2": gpt2.build}
 def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str) -> nn.Module:
     """Build the model on `device` in cfg.dtype and fill its weights (checkpoint or seeded dummy).
 
-    NOTE: parameters are made in cfg.dtype (a 32B model's shard made in float32 and then cast took twice its
-    bf16 bytes at the peak); the rope tables are computed in float32 explicitly and cast by the .to() after.
+    NOTE: parameters are made in cfg.dtype, never in float32 first (the peak would be twice a bf16 model's bytes);
+    the rope tables are computed in float32 explicitly and cast by the .to() after.
     """
     with torch.device(device), _default_dtype(cfg.torch_dtype):
         model: nn.Module = _BUILDERS[cfg.arch](cfg, backend)
