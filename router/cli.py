@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from pdserve.core.cli import LOG_LEVELS
+from pdserve.router.auth import API_KEY_ENV, EdgeSecurity, SecurityError, exposure_error, read_api_keys
 from pdserve.router.config import RouterConfig
 
 
@@ -44,6 +45,18 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
         "--busy-poll-ms", type=float, default=0.0, help="after request activity, poll without sleeping this long"
     )
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    add_security_args(p)
+
+
+def add_security_args(p: argparse.ArgumentParser) -> None:
+    """TLS and API keys of the gRPC port (router/auth.py)."""
+    p.add_argument("--tls-cert", default=None, help="PEM server certificate: serve TLS only (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=None, help="PEM CA: require client certificates it signed")
+    p.add_argument(
+        "--api-key-file", default=None, help=f"accepted bearer keys, one a line (also ${API_KEY_ENV}): calls need one"
+    )
+    p.add_argument("--insecure", action="store_true", help="allow --bind beyond loopback with no client authentication")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +77,16 @@ def router_args_error(args: argparse.Namespace) -> str | None:
         return "--max-migrations and --max-queued must be >= 0"
     if args.max_queue_skew < 1 or args.local_prefill_threshold < 1:
         return "--max-queue-skew and --local-prefill-threshold must be >= 1"
-    return None
+    try:
+        return exposure_error(args.bind, security_from_args(args))
+    except SecurityError as exc:
+        return str(exc)
+
+
+def security_from_args(args: argparse.Namespace) -> EdgeSecurity:
+    """The edge security of the flags (API keys read from --api-key-file and the environment); SecurityError."""
+    return EdgeSecurity(args.tls_cert, args.tls_key, args.tls_client_ca, read_api_keys(args.api_key_file),
+                        args.insecure)  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -86,4 +108,5 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         max_queued=args.max_queued,
         metrics_port=args.metrics_port,
         busy_poll_s=max(args.busy_poll_ms, 0.0) / 1e3,
+        security=security_from_args(args),
     )

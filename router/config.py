@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from pdserve.router.auth import EdgeSecurity
 
 Routing = Literal["prefix", "round_robin"]
 
@@ -23,7 +25,7 @@ class RouterConfig:
     port: int = 50051
     """gRPC port; 0 picks a free one (the ready line names it)."""
     bind: str = "127.0.0.1"
-    """gRPC host to listen on."""
+    """gRPC host to listen on; beyond loopback, clients must authenticate (router/auth.py check_exposure)."""
     heartbeat_timeout: float = 2.0
     """A worker with no heartbeat for this many seconds is down."""
     block_size: int | None = None
@@ -49,6 +51,8 @@ class RouterConfig:
     max_migrations: int = 2
     """Times a request whose worker was lost is sent again (prompt + tokens so far) to other workers; 0: it
     fails UNAVAILABLE instead."""
+    security: EdgeSecurity = field(default_factory=EdgeSecurity)
+    """TLS and API keys of the gRPC port (router/auth.py); default: plaintext, no keys."""
 
     @property
     def colocated(self) -> bool:

@@ -22,6 +22,7 @@ from pdserve.core.lifecycle import READY_LINE
 from pdserve.core.messages import MAX_MESSAGE_BYTES, RequestErrorEvent
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.router import auth
 from pdserve.router.admission import QueueFullError
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import NoWorkerError
@@ -203,7 +204,9 @@ class RouterServer:
         self.metrics = RouterMetrics(self.hub, self.gc_pauses)
         servicer = GenerationServicer(model, tokenizer, self.hub, cfg.block_size, cfg.max_migrations, self.metrics)
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *PENDING_CALL_LIMITS]
-        self.server = grpc.aio.server(options=options, interceptors=[servicer.accounting()])
+        # NOTE: the API-key check runs first: a refused call is never accounted nor seen by the servicer
+        interceptors = [*auth.interceptors(cfg.security), servicer.accounting()]
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -215,7 +218,7 @@ class RouterServer:
 
     async def start(self) -> int:
         """Listen (port 0 picks one) and start talking to the workers; the port."""
-        self.port = self.server.add_insecure_port(self.cfg.address)
+        self.port = auth.add_port(self.server, self.cfg.bind, self.cfg.address, self.cfg.security)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.cfg.address}")
         for service in ("", SERVICE_NAME):
