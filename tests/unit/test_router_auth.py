@@ -1,0 +1,171 @@
+"""Security at the router's edge (router/auth.py): API keys, TLS with and without client certificates, the
+refusal to listen beyond loopback unauthenticated; through the real router with fake workers."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import ssl
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.router import __main__ as router_main
+from pdserve.router.auth import (
+    API_KEY_ENV,
+    DENIED,
+    ClientAuth,
+    EdgeSecurity,
+    SecurityError,
+    exposure_error,
+    read_api_keys,
+    uvicorn_tls,
+)
+from pdserve.router.cli import build_parser, router_args_error
+from tests.router_fakes import Script, router_with_fakes
+from tests.tls_certs import TlsFiles, make_tls_files
+
+KEY = "k-0123456789abcdef"
+REQUEST = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling=pb.SamplingParams(max_tokens=3))
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="pda-"))  # NOTE: short: ipc socket paths are limited to ~100 bytes
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return make_tls_files(tmp_path_factory.mktemp("tls"))
+
+
+def test_bearer_ok_accepts_only_a_configured_key() -> None:
+    sec = EdgeSecurity(api_keys=(KEY, "other"))
+    assert sec.bearer_ok(f"Bearer {KEY}") and sec.bearer_ok(f"bearer {KEY}") and sec.bearer_ok("Bearer other")
+    for header in (None, "", KEY, f"Bearer {KEY}x", "Bearer ", f"Basic {KEY}"):
+        assert not sec.bearer_ok(header), header
+    assert EdgeSecurity().bearer_ok(None)  # NOTE: no keys configured: nothing is asked for
+    assert KEY not in repr(sec)
+
+
+def test_api_keys_come_from_the_file_and_the_environment(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text(f"# keys\n{KEY}\n\n  second  \n")
+    assert read_api_keys(str(path), {API_KEY_ENV: " third "}) == (KEY, "second", "third")
+    assert read_api_keys(None, {}) == ()
+    path.write_text("# none\n")
+    with pytest.raises(SecurityError, match="no key"):
+        read_api_keys(str(path), {})
+    with pytest.raises(SecurityError, match="--api-key-file"):
+        read_api_keys(str(tmp_path / "missing"), {})
+
+
+def _args_error(argv: list[str]) -> str | None:
+    return router_args_error(build_parser().parse_args(["--model", "m", "--run-dir", "r", *argv]))
+
+
+def test_binding_beyond_loopback_needs_client_authentication(
+    tls: TlsFiles, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    keys = tmp_path / "keys"
+    keys.write_text(KEY)
+    server_tls = ["--tls-cert", str(tls.server_cert), "--tls-key", str(tls.server_key)]
+    for bind in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert _args_error(["--bind", bind]) is None
+    for bind in ("0.0.0.0", "::", "10.1.2.3", "router.example"):
+        assert "reachable from other hosts" in str(_args_error(["--bind", bind]))
+    assert "reachable from other hosts" in str(_args_error(["--bind", "0.0.0.0", *server_tls]))  # NOTE: no auth
+    assert _args_error(["--bind", "0.0.0.0", "--api-key-file", str(keys)]) is None
+    assert _args_error(["--bind", "0.0.0.0", *server_tls, "--tls-client-ca", str(tls.ca)]) is None
+    assert _args_error(["--bind", "0.0.0.0", "--insecure"]) is None
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    assert _args_error(["--bind", "0.0.0.0"]) is None
+    assert _args_error(["--tls-cert", str(tls.server_cert)]) == "--tls-cert and --tls-key go together"
+    assert "needs --tls-cert" in str(_args_error(["--tls-client-ca", str(tls.ca)]))
+    assert "no such file" in str(_args_error(["--tls-cert", "/nonexistent", "--tls-key", str(tls.server_key)]))
+
+
+def test_the_router_process_refuses_an_open_bind(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with pytest.raises(SystemExit) as exc:
+        router_main.parse_args(["--model", "m", "--run-dir", "r", "--bind", "0.0.0.0"])
+    assert exc.value.code == 2
+    assert "--bind 0.0.0.0 is reachable from other hosts" in capsys.readouterr().err
+    assert exposure_error("0.0.0.0", EdgeSecurity(insecure=True)) is None
+
+
+def test_uvicorn_tls_settings(tls: TlsFiles) -> None:
+    assert uvicorn_tls(EdgeSecurity()) == {}
+    sec = EdgeSecurity(str(tls.server_cert), str(tls.server_key), str(tls.ca))
+    assert uvicorn_tls(sec) == {"ssl_certfile": str(tls.server_cert), "ssl_keyfile": str(tls.server_key),
+                                "ssl_ca_certs": str(tls.ca), "ssl_cert_reqs": ssl.CERT_REQUIRED}  # fmt: skip
+
+
+async def _generate(auth: ClientAuth, address: str) -> grpc.StatusCode:
+    """The status of one Generate call (tokens checked when OK)."""
+    async with auth.aio_channel(address) as channel:
+        try:
+            got = [r async for r in pb_grpc.GenerationStub(channel).Generate(REQUEST, metadata=auth.metadata)]
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                assert exc.details() == DENIED
+            return exc.code()
+    assert [t for r in got for t in r.token_ids] == [7, 8, 9]
+    return grpc.StatusCode.OK
+
+
+async def _open_calls(auth: ClientAuth, address: str) -> tuple[int, grpc.StatusCode]:
+    """(health status without a key, the status of a reflection call as auth)."""
+    async with auth.aio_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        try:
+            [_ async for _ in stub.ServerReflectionInfo(iter([request]), metadata=auth.metadata)]
+            code = grpc.StatusCode.OK
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+    return int(reply.status), code
+
+
+def test_tls_and_api_key_no_key_wrong_key_right_key(smollm2_dir: Path, run_dir: Path, tls: TlsFiles) -> None:
+    sec = EdgeSecurity(str(tls.server_cert), str(tls.server_key), api_keys=(KEY,))
+
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script([7, 8, 9]), security=sec) as h:
+            address = f"localhost:{h.router.port}"
+            ca = str(tls.ca)
+            assert await _generate(ClientAuth(ca), address) == grpc.StatusCode.UNAUTHENTICATED
+            assert await _generate(ClientAuth(ca, api_key="wrong"), address) == grpc.StatusCode.UNAUTHENTICATED
+            assert await _generate(ClientAuth(ca, api_key=KEY), address) == grpc.StatusCode.OK
+            assert await _generate(ClientAuth(api_key=KEY), address) == grpc.StatusCode.UNAVAILABLE  # NOTE: plaintext
+            assert await _open_calls(ClientAuth(ca), address) == (1, grpc.StatusCode.UNAUTHENTICATED)
+            assert await _open_calls(ClientAuth(ca, api_key=KEY), address) == (1, grpc.StatusCode.OK)
+
+    asyncio.run(body())
+
+
+def test_a_client_ca_requires_client_certificates(smollm2_dir: Path, run_dir: Path, tls: TlsFiles) -> None:
+    sec = EdgeSecurity(str(tls.server_cert), str(tls.server_key), str(tls.ca))
+
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script([7, 8, 9]), security=sec) as h:
+            address = f"localhost:{h.router.port}"
+            ca = str(tls.ca)
+            assert await _generate(ClientAuth(ca), address) == grpc.StatusCode.UNAVAILABLE
+            with_cert = ClientAuth(ca, str(tls.client_cert), str(tls.client_key))
+            assert await _generate(with_cert, address) == grpc.StatusCode.OK
+
+    asyncio.run(body())
