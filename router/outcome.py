@@ -1,11 +1,12 @@
-"""How a Generate call ended: one outcome per call the router accepted, counted in
-pdserve_requests_total{outcome} and logged once at INFO.
+"""How a generation call ended, over gRPC or HTTP: one outcome per call the router accepted, counted in
+pdserve_requests_total{outcome} and logged once at INFO (router/request_path.py RequestPath.record).
 
-CallAccounting (a gRPC server interceptor) opens a CallEnd for each Generate call as gRPC starts the call's
+For gRPC, CallAccounting (a server interceptor) opens a CallEnd for each Generate call as gRPC starts the call's
 task, before the request is even read, and hands it to `record` when that task ends, whatever ended it: a call
-the client cancels before its handler runs is counted like every other. The handler fills the CallEnd in as it
-goes (request id, the status it ended the call with, the workers' request); the outcome follows from what it
-holds at the end.
+the client cancels before its handler runs is counted like every other. The HTTP front end (router/http_api.py)
+opens one as its handler starts and records it once the response is done. The request path fills the CallEnd
+in as it goes (request id, the status it ended the call with, the workers' request); the outcome follows from
+what it holds at the end. A client that disconnects is CANCELLED on either protocol.
 """
 
 from __future__ import annotations
@@ -54,10 +55,11 @@ class CallEnd:
     clock: StreamClock
     request_id: str = ""
     """Empty until the handler has read the request."""
-    context: grpc.aio.ServicerContext | None = None
-    """The handler's context (its deadline)."""
+    time_remaining: Callable[[], float | None] | None = None
+    """Seconds left before the client's deadline (gRPC's context.time_remaining); None: no deadline."""
     status: grpc.StatusCode | None = None
-    """The status the router ended the call with (OK once the last response left); None while it goes on."""
+    """The status the router ended the call with (OK once the last response left); None while it goes on. HTTP
+    maps it to its own codes (router/http_api.py)."""
     message: str = ""
     """The status's details, for the log line."""
     error: BaseException | None = None
@@ -65,6 +67,8 @@ class CallEnd:
     req: TrackedRequest | None = None
     """Set once admitted: the workers have it."""
     builder: ResponseBuilder | None = None
+    released: bool = False
+    """The workers were told to drop the request (or had finished it) and the router forgot it."""
 
     @property
     def finish_reason(self) -> str:
@@ -79,7 +83,7 @@ class CallEnd:
             return BY_STATUS.get(self.status, INTERNAL)
         if self.error is not None and not isinstance(self.error, CLIENT_GONE):
             return INTERNAL  # NOTE: a bug in the handler: gRPC ends the call UNKNOWN
-        remaining = None if self.context is None else self.context.time_remaining()
+        remaining = None if self.time_remaining is None else self.time_remaining()
         if remaining is not None and remaining <= 0:
             return DEADLINE_EXCEEDED
         return CANCELLED if self.req is not None else CANCELLED_BEFORE_ADMISSION

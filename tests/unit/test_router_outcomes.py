@@ -49,7 +49,7 @@ def end_lines(caplog: pytest.LogCaptureFixture, prefix: str) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "pdserve.router.server" and r.levelno == logging.INFO and r.getMessage().startswith(prefix)
+        if r.name == "pdserve.router.request_path" and r.levelno == logging.INFO and r.getMessage().startswith(prefix)
     ]
 
 
