@@ -6,16 +6,24 @@ heads, of the KV heads (each KV head replicated N / num_kv_heads times where N e
 the MLP width and of the vocabulary. Megatron's split: column-parallel q/k/v and gate/up need no
 communication, row-parallel o/down end in one all-reduce each, the embedding lookup is an all-reduce of masked
 rows and the logits an all-gather. At size 1 nothing here touches torch.distributed.
+
+On CUDA, sums of decode-sized messages (up to max_num_seqs rows of the hidden size) take torch's one-shot
+all-reduce over a symmetric-memory buffer (OneShotAllReduce) instead of NCCL; larger ones, other ops and gloo
+take torch.distributed.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -26,6 +34,8 @@ class ParallelConfig:
     """Processes of the group."""
     tp_rank: int = 0
     """This process's rank in [0, tp_size); rank 0 schedules."""
+    one_shot_all_reduce: bool = True
+    """On CUDA, sum decode-sized messages with OneShotAllReduce; False: NCCL for every message."""
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
@@ -59,17 +69,69 @@ def kv_head_range(num_kv_heads: int, size: int, rank: int) -> tuple[int, int]:
     return rank // (size // num_kv_heads), 1
 
 
+class OneShotAllReduce:
+    """torch's one-shot all-reduce (torch.ops.symm_mem) over one symmetric buffer of `numel` elements per rank,
+    mapped into every peer at rendezvous. A call copies x into this rank's buffer; the kernel waits on every
+    peer's copy (signal pads), sums the peers' buffers read over NVLink (no multicast) into x and waits again,
+    so the next call may rewrite the buffer at once: in-place, allocation-free and capturable in a CUDA graph."""
+
+    def __init__(self, group: dist.ProcessGroup, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
+            raise RuntimeError(f"torch {torch.__version__} has no torch.ops.symm_mem.one_shot_all_reduce_out")
+        self.group_name: str = group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # NOTE: older torch needs it, newer deprecates it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                symm_mem.enable_symm_mem_for_group(self.group_name)
+        self.buffer = symm_mem.empty(numel, dtype=dtype, device=device)  # [numel]
+        self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
+        self(torch.zeros(1, dtype=dtype, device=device))  # NOTE: a dtype the kernel lacks fails here, on every rank
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and x.dtype == self.buffer.dtype and x.numel() <= self.buffer.numel() and x.is_contiguous()
+
+    def __call__(self, x: torch.Tensor) -> None:
+        n, flat = x.numel(), x.view(-1)
+        self.buffer[:n].copy_(flat)
+        torch.ops.symm_mem.one_shot_all_reduce_out(self.buffer[:n], "sum", self.group_name, flat)
+
+
 class TPGroup:
     """The collectives of this process's TP group; the identity at size 1."""
 
     def __init__(self, rank: int = 0, size: int = 1, group: dist.ProcessGroup | None = None) -> None:
         self.rank, self.size, self.group = rank, size, group
+        self.one_shot: OneShotAllReduce | None = None
+        """Sums the messages it fits (use_one_shot); None: NCCL / gloo for all."""
 
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """The sum (or op) of x over the ranks, in place."""
-        if self.size > 1:
+        if self.size == 1:
+            return x
+        if self.one_shot is not None and op == dist.ReduceOp.SUM and self.one_shot.fits(x):
+            self.one_shot(x)
+        else:
             dist.all_reduce(x, op=op, group=self.group)
         return x
+
+    def use_one_shot(self, numel: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Sum CUDA messages of up to numel elements of dtype with OneShotAllReduce from now on, when every rank
+        can (they agree: a rank on NCCL and one on the one-shot would wait on each other forever); whether on.
+        Call before capturing CUDA graphs, on every rank alike."""
+        if self.size == 1 or device.type != "cuda":
+            return False
+        try:
+            one_shot: OneShotAllReduce | None = OneShotAllReduce(self.group, numel, dtype, device)  # type: ignore[arg-type]
+        except Exception as exc:  # NOTE: no P2P access, no symm_mem op in this torch build, ...
+            log.warning("TP rank %d: one-shot all-reduce unavailable, NCCL for all (%s: %s)", self.rank,
+                        type(exc).__name__, exc)  # fmt: skip
+            one_shot = None
+        everyone = torch.tensor([one_shot is not None], dtype=torch.int32, device=device)
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.group)
+        self.one_shot = one_shot if bool(everyone.item()) else None
+        return self.one_shot is not None
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x on every rank, in place."""

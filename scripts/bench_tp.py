@@ -24,7 +24,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -205,24 +204,33 @@ def decode_steps(engine: Engine, batch: int, setup: Setup, device: torch.device)
     return {**summary(times, "ms"), "mean_ms": mean_ms, "sequences_running": running}
 
 
-def decode_rank(rank: int, setup: Setup, size: int, out: str) -> None:
+def decode_rank(rank: int, setup: Setup, size: int, one_shot: bool, out: str) -> None:
     """Rank `rank` of an engine at TP size: decode steps timed at each batch; rank 0 writes them to out."""
     device = rank_device(setup, rank)
-    pc = ParallelConfig(size, rank)
-    parallel.init_tp_group(pc, rendezvous(setup, f"decode_tp{size}"), device)
+    pc = ParallelConfig(size, rank, one_shot_all_reduce=one_shot)
+    parallel.init_tp_group(pc, rendezvous(setup, f"decode_tp{size}_{one_shot}"), device)
     engine = Engine(engine_config(setup, pc, device))
     batches = {str(b): decode_steps(engine, b, setup, device) for b in setup.batches}
     if rank == 0:
-        write_json(out, {"graphs": engine.runner.graphs is not None, "batch": batches})
+        runner = engine.runner
+        write_json(out, {"graphs": runner.graphs is not None, "one_shot": runner.one_shot_all_reduce, "batch": batches})
     parallel.close_tp_group()
 
 
+DECODE_RUNS = {"tp1": (1, True), "tp2": (2, True), "tp2_nccl": (2, False)}
+"""Name -> (TP size, one-shot all-reduce for decode-sized sums): TP 2 as served, and with NCCL for every sum."""
+
+
 def decode_part(setup: Setup, timeout_s: float) -> dict[str, Any]:
-    part = {
-        f"tp{n}": spawn(decode_rank, n, (setup, n), Path(setup.work_dir) / f"tp{n}.json", timeout_s) for n in (1, 2)
-    }
-    one, two = part["tp1"].get("batch", {}), part["tp2"].get("batch", {})
-    return {**part, "ratio_tp2_vs_tp1": {b: two[b]["median_ms"] / one[b]["median_ms"] for b in one if b in two}}
+    work = Path(setup.work_dir)
+    part = {k: spawn(decode_rank, n, (setup, n, o), work / f"{k}.json", timeout_s) for k, (n, o) in DECODE_RUNS.items()}
+    one = part["tp1"].get("batch", {})
+
+    def ratio(name: str) -> dict[str, float]:
+        other = part[name].get("batch", {})
+        return {b: other[b]["median_ms"] / one[b]["median_ms"] for b in one if b in other}
+
+    return {**part, "ratio_tp2_vs_tp1": ratio("tp2"), "ratio_tp2_nccl_vs_tp1": ratio("tp2_nccl")}
 
 
 # --- 2. all-reduce of [batch, hidden] on 2 ranks -------------------------------------------------------------
@@ -271,36 +279,10 @@ def graph_us(op: AllReduce, x: torch.Tensor, setup: Setup) -> dict[str, Any]:
     return timed_us(graph.replay, x, setup)
 
 
-class SymmMemAllReduce:
-    """torch's one-shot all-reduce over a symmetric buffer rendezvous'd once. A call copies x into this rank's
-    buffer; the kernel waits for every peer's copy (signal pads), sums the peers' buffers read over NVLink (no
-    multicast) into x and waits again, so the next call may rewrite the buffer at once."""
-
-    OP = "copy_ + torch.ops.symm_mem.one_shot_all_reduce_out"
-
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
-            raise RuntimeError(f"torch {torch.__version__} has no torch.ops.symm_mem.one_shot_all_reduce_out")
-        self.group_name = dist.group.WORLD.group_name  # type: ignore[union-attr]
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # NOTE: older torch needs it; newer deprecates it
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                symm_mem.enable_symm_mem_for_group(self.group_name)
-        self.buffer = symm_mem.empty(numel, dtype=dtype, device=device)  # [numel]
-        self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
-
-    def __call__(self, x: torch.Tensor) -> None:
-        n, flat = x.numel(), x.view(-1)
-        self.buffer[:n].copy_(flat)
-        torch.ops.symm_mem.one_shot_all_reduce_out(self.buffer[:n], "sum", self.group_name, flat)
-
-
 def symm_mem_all_reduce(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[AllReduce | None, str]:
-    """The one-shot all-reduce, or None and why not (the same on both ranks: the same checks)."""
+    """The serving path's one-shot all-reduce (core/parallel.py), or None and why not (alike on both ranks)."""
     try:
-        return SymmMemAllReduce(numel, dtype, device), ""
+        return parallel.OneShotAllReduce(dist.group.WORLD, numel, dtype, device), ""  # type: ignore[arg-type]
     except Exception as exc:
         return None, f"{type(exc).__name__}: {exc}"
 
@@ -323,7 +305,8 @@ def allreduce_rank(rank: int, setup: Setup, out: str) -> None:
     parallel.init_tp_group(ParallelConfig(2, rank), rendezvous(setup, "allreduce"), device)
     dtype, hidden, cuda = torch_dtype(setup.dtype), setup.model["hidden_size"], device.type == "cuda"
     xs = {str(b): torch.zeros(b, hidden, dtype=dtype, device=device) for b in setup.allreduce_batches}
-    result: dict[str, Any] = {"backend": dist.get_backend(), "symm_mem_op": SymmMemAllReduce.OP}
+    op = "copy_ + torch.ops.symm_mem.one_shot_all_reduce_out"
+    result: dict[str, Any] = {"backend": dist.get_backend(), "symm_mem_op": op}
 
     def record(name: str, op: AllReduce | None, timing: Timing, why_not: str) -> None:
         result[name] = {"skipped": why_not} if op is None else per_batch(timing, op, xs, setup)
@@ -448,11 +431,12 @@ def handoff_part(setup: Setup, timeout_s: float) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     decode = result.get("decode", {})
-    for tp in ("tp1", "tp2"):
+    for tp in DECODE_RUNS:
         for b, row in decode.get(tp, {}).get("batch", {}).items():
-            print(f"decode step {tp} batch {b:>3}: {row['median_ms']:8.3f} ms median, {row['min_ms']:8.3f} min")
-    for b, ratio in decode.get("ratio_tp2_vs_tp1", {}).items():
-        print(f"decode step TP2/TP1 batch {b:>3}: {ratio:.3f}x")
+            print(f"decode step {tp:8s} batch {b:>3}: {row['median_ms']:8.3f} ms median, {row['min_ms']:8.3f} min")
+    for name in ("tp2", "tp2_nccl"):
+        for b, ratio in decode.get(f"ratio_{name}_vs_tp1", {}).items():
+            print(f"decode step {name}/tp1 batch {b:>3}: {ratio:.3f}x")
     for method, rows in result.get("allreduce", {}).items():
         if isinstance(rows, dict) and "skipped" in rows:
             print(f"all-reduce {method:24s} skipped: {rows['skipped']}")

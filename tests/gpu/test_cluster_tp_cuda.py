@@ -27,7 +27,11 @@ SHAPES = {
     "p2d2-shared": ("--prefill-tp", "2", "--decode-tp", "2", "--prefill-gpus", "0,1", "--decode-gpus", "0,1"),
     "p2d1": ("--prefill-tp", "2", "--prefill-gpus", "0,1", "--decode-gpus", "1"),
     "p1d2": ("--decode-tp", "2", "--prefill-gpus", "0", "--decode-gpus", "0,1"),
-}
+    # NOTE: NCCL refuses two ranks of one communicator on one GPU: decode rank r (GPU 1 - r) pulls its heads over
+    # NCCL from prefill rank r (GPU r), the only pairs of different GPUs that hold them all on two GPUs
+    "p2d2-crossed-dist": ("--prefill-tp", "2", "--decode-tp", "2", "--prefill-gpus", "0,1", "--decode-gpus", "1,0",
+                          "--transport", "dist"),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -38,7 +42,8 @@ def test_tp_groups_on_two_gpus_match_transformers(shape: str, tiny_llama_dir: Pa
         assert_serves_like_transformers(cluster, tiny_llama_dir, seed=71)
         decode = cluster.stats("decode", 0)
         assert decode["layout"]["tp_size"] == (1 if shape == "p2d1" else 2)
-        assert "KV transport cuda_ipc" in (cluster.run_dir / "logs" / "decode-0.log").read_text()
+        transport = "dist" if shape.endswith("dist") else "cuda_ipc"
+        assert f"KV transport {transport}" in (cluster.run_dir / "logs" / "decode-0.log").read_text()
         if shape == "p2d2-shared":
             assert visible_devices(cluster.pid("decode-0")) == "0,1"
             leader, rank1 = decode["ranks"]

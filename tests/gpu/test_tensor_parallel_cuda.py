@@ -78,3 +78,40 @@ def test_bf16_logits_at_tp_2_within_tolerance_of_transformers_fp32(tiny_llama_di
         errors[size] = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
     print(f"bf16 logits, max relative L2 error vs transformers fp32: {errors}")
     assert errors[1] < BF16_TOLERANCE and errors[2] < min(BF16_TOLERANCE, TP_ERROR_GROWTH * errors[1])
+
+
+def _one_shot_rank(rank: int, out: str) -> None:
+    """Rank r of 2 on GPU r: sums through TPGroup with the one-shot kernel on, eagerly and in a CUDA graph."""
+    device = torch.device(f"cuda:{rank}")
+    group = parallel.init_tp_group(ParallelConfig(2, rank), f"file://{out}.rendezvous", device)
+    on = group.use_one_shot(8 * 64, torch.bfloat16, device)
+    small = torch.full((8, 64), rank + 1.0, dtype=torch.bfloat16, device=device)
+    large = torch.full((16, 64), rank + 1.0, dtype=torch.bfloat16, device=device)  # NOTE: past the buffer: NCCL
+    minimum = torch.tensor([rank + 5], dtype=torch.int64, device=device)
+    eager = [group.all_reduce(small.clone())[0, 0].item(), group.all_reduce(large.clone())[0, 0].item(),
+             group.all_reduce(minimum.clone(), dist_min())[0].item()]  # fmt: skip
+    graph, x = torch.cuda.CUDAGraph(), small.clone()
+    with torch.cuda.graph(graph):
+        for _ in range(4):  # NOTE: chained on one buffer: each call must wait for the peers' previous reads
+            group.all_reduce(x)
+    x.copy_(small)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    if rank == 0:
+        torch.save({"on": on, "eager": eager, "graph": x.float().unique().tolist()}, out)
+    parallel.close_tp_group()
+
+
+def dist_min() -> torch.distributed.ReduceOp.RedOpType:
+    return torch.distributed.ReduceOp.MIN
+
+
+def test_one_shot_all_reduce_sums_exactly_in_a_graph_and_leaves_larger_messages_and_min_to_nccl(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "one_shot.pt"
+    mp.spawn(_one_shot_rank, args=(str(out),), nprocs=2, join=True)
+    got = torch.load(out)
+    assert got["on"] is True
+    assert got["eager"] == [3.0, 3.0, 5]
+    assert got["graph"] == [3.0 * 2**3]  # NOTE: (1 + 2) then doubled by each of the 3 later sums: exact in bf16
