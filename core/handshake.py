@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import zmq
 
+from pdserve.core import ipc
 from pdserve.core.messages import Message, MessageError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class HandshakeServer:
         sock = self._ctx.socket(zmq.REP)
         sock.setsockopt(zmq.LINGER, 0)
         try:
-            sock.bind(self._addr)
+            ipc.bind(sock, self._addr)
         except zmq.ZMQError as exc:
             self._bind_error = exc
             sock.close()
@@ -120,7 +121,7 @@ class HandshakeClient:
             return
         sock = self._ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(addr)
+        ipc.connect(sock, addr)
         # NOTE: REQ queues the request until the peer's socket is there (a peer restarting binds it later)
         sock.send(encode(request), flags=zmq.NOBLOCK)
         self._poller.register(sock, zmq.POLLIN)

@@ -4,7 +4,9 @@ Every process of one cluster lives under one run directory; each receiving socke
 router.sock (router, PULL), prefill-{i}.sock (prefill worker i, PULL), prefill-{i}.handshake.sock
 (prefill worker i, REP), decode-{j}.sock (decode worker j, PULL). Senders connect PUSH sockets.
 Each worker also binds {role}-{i}.kv.sock (PUB: its KV cache events), to which the router connects a SUB.
-A cluster spread over hosts has a topology.json in each host's run dir: the same sockets are then TCP (Topology).
+A cluster spread over hosts has a topology.json in each host's run dir: the same sockets are then TCP (Topology),
+each authenticated with CURVE by the cluster's keys in the same run dir (core/curve.py): bind and connect apply
+them to every tcp:// address. ipc:// sockets need no keys: the run dir (0700) keeps other users out.
 
 NOTE: no torch here: the router imports this module.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import zmq
 
+from pdserve.core.curve import KEYS_FILE, ClusterKeys
 from pdserve.core.messages import MAX_MESSAGE_BYTES, Message, MessageError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -78,11 +81,50 @@ def topology(run_dir: str) -> Topology | None:
     return Topology.read(path) if path.exists() else None
 
 
+@functools.cache
+def cluster_keys(run_dir: str) -> ClusterKeys:
+    """The CURVE keys of the run dir's cluster over hosts; ValueError saying how to get them when missing."""
+    path = Path(run_dir) / KEYS_FILE
+    if not path.exists():
+        raise ValueError(f"{path} is missing: a cluster over hosts authenticates its sockets with the keys that "
+                         "pdserve-cluster --topology copies there (docs/deployment.md, Security)")  # fmt: skip
+    return ClusterKeys.read(path)
+
+
+_RUN_DIR_OF: dict[str, str] = {}
+"""tcp:// address -> the run dir whose topology made it: where its keys are (bind and connect look them up)."""
+
+
 def _addr(run_dir: str | Path, role: str, worker: int, socket: str, ipc_name: str) -> str:
     topo = topology(str(run_dir))
     if topo is not None:
-        return topo.address(role, worker, socket)
+        addr = topo.address(role, worker, socket)
+        _RUN_DIR_OF[addr] = str(run_dir)
+        return addr
     return f"ipc://{Path(run_dir) / ipc_name}"
+
+
+def _keys_of(addr: str) -> ClusterKeys | None:
+    """The keys a socket at addr uses: None for ipc://, the cluster's for tcp:// (ValueError when unknown)."""
+    if not addr.startswith("tcp://"):
+        return None
+    if addr not in _RUN_DIR_OF:
+        raise ValueError(f"{addr}: a tcp:// address that no run dir's topology made has no keys")
+    return cluster_keys(_RUN_DIR_OF[addr])
+
+
+def bind(sock: zmq.Socket, addr: str) -> None:
+    """sock.bind(addr), a CURVE server of the cluster first when addr is tcp://."""
+    if (keys := _keys_of(addr)) is not None:
+        keys.serve(sock)
+    sock.bind(addr)
+
+
+def connect(sock: zmq.Socket, addr: str) -> None:
+    """sock.connect(addr), a CURVE client of the cluster first when addr is tcp://."""
+    if (keys := _keys_of(addr)) is not None:
+        keys.connect_as_client(sock)
+    sock.connect(addr)
 
 
 def router_addr(run_dir: str | Path) -> str:
@@ -120,7 +162,7 @@ def bind_pub(ctx: zmq.Context, addr: str, hwm: int = KV_EVENTS_HWM) -> zmq.Socke
     sock = ctx.socket(zmq.PUB)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(addr)
+    bind(sock, addr)
     return sock
 
 
@@ -128,7 +170,7 @@ def bind_pull(ctx: zmq.Context, addr: str) -> zmq.Socket:
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(addr)
+    bind(sock, addr)
     return sock
 
 
@@ -139,7 +181,7 @@ def connect_push(ctx: zmq.Context, addr: str) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 10_000)
     sock.setsockopt(zmq.RECONNECT_IVL, 20)
-    sock.connect(addr)
+    connect(sock, addr)
     return sock
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from pdserve.core.busy_poll import busy_poll_seconds
+from pdserve.core.curve import KEYS_FILE, ClusterKeys
 from pdserve.core.ipc import TOPOLOGY_FILE
 from pdserve.router.cli import LOG_LEVELS
 from pdserve.router.cluster_flags import CHILD_CLIS, ROUTER, WORKER, ArgvError, ChildCli, split_flags
@@ -122,7 +123,13 @@ def _add_placement_args(p: argparse.ArgumentParser) -> None:
         "--topology",
         default=None,
         help="JSON {router: host, prefill: [hosts], decode: [hosts], base_port}: a cluster over several hosts, "
-        "TCP between its processes (docs/deployment.md)",
+        "TCP between its processes, authenticated with CURVE (docs/deployment.md)",
+    )
+    p.add_argument(
+        "--cluster-keys",
+        default=None,
+        help="with --topology: the cluster's CURVE keys, a file to copy to every host with the topology (default: "
+        "the topology's path with suffix .keys; the launcher that starts the router makes it when missing)",
     )
     p.add_argument("--roles", default=None, help="start only these processes here, e.g. router or prefill-0,decode-0")
 
@@ -245,6 +252,33 @@ def _metrics_flag(args: argparse.Namespace, offset: int) -> list[str]:
     return ["--metrics-port", str(args.metrics_port + offset if args.metrics_port else 0)]
 
 
+def cluster_keys(args: argparse.Namespace) -> ClusterKeys | None:
+    """The CURVE keys of a cluster over hosts (None without --topology): --cluster-keys, made (0600) when missing
+    by the launcher that starts the router; ValueError when another host's launcher finds none."""
+    if args.topology is None:
+        return None
+    path = Path(args.cluster_keys or Path(args.topology).with_suffix(".keys"))
+    if not path.exists() and "router" in args.wanted:
+        try:
+            ClusterKeys.make().write(path)
+            print(f"pdserve-cluster: made the cluster's CURVE keys {path}: copy it to every host", file=sys.stderr)
+        except FileExistsError:
+            pass  # NOTE: another launcher made it meanwhile
+    if not path.exists():
+        raise ValueError(f"--cluster-keys {path}: no such file; copy it from the router's host (its launcher makes "
+                         "it), keeping mode 0600")  # fmt: skip
+    return ClusterKeys.read(path)
+
+
+def make_run_dir(run_dir: Path) -> None:
+    """run_dir and its logs/; a new run dir is 0700 (its ipc:// sockets are then closed to other users)."""
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(exist_ok=True)
+    if run_dir.stat().st_mode & 0o077:
+        print(f"pdserve-cluster: warning: other users may reach the sockets in {run_dir} (chmod 700 it)",
+              file=sys.stderr)  # fmt: skip
+
+
 def _mps(args: argparse.Namespace, run_dir: Path) -> Mps | None:
     """MPS when asked for, or (auto) when CUDA workers of both roles may share a GPU."""
     shared = roles_share_a_gpu(gpu_lists(args.prefill_gpus), gpu_lists(args.decode_gpus))
@@ -258,13 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))
     try:
         plan = plan_cluster(args, rest, run_dir)
-    except ArgvError as exc:
+        keys = cluster_keys(args)
+    except (ArgvError, ValueError) as exc:
         if args.run_dir is None:
             run_dir.rmdir()
         parser.error(str(exc))
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    if args.topology_hosts is not None:  # NOTE: every process reads it from its run dir (core/ipc.py)
+    make_run_dir(run_dir)
+    if args.topology_hosts is not None:  # NOTE: every process reads both from its run dir (core/ipc.py)
         (run_dir / TOPOLOGY_FILE).write_text(json.dumps(asdict(args.topology_hosts)))
+        (run_dir / KEYS_FILE).unlink(missing_ok=True)
+        assert keys is not None
+        keys.write(run_dir / KEYS_FILE)
     # NOTE: the children run the installed pdserve (python -m pdserve.*): no PYTHONPATH of ours
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     supervisor = Supervisor(plan.children, run_dir, env, plan.grace, _mps(args, run_dir), args.gpus)

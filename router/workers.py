@@ -402,7 +402,7 @@ def _connect_sub(ctx: zmq.asyncio.Context, addrs: list[str]) -> zmq.asyncio.Sock
     sock.setsockopt(zmq.RECONNECT_IVL, 20)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     for addr in addrs:
-        sock.connect(addr)
+        ipc.connect(sock, addr)
     return sock
 
 
@@ -410,5 +410,5 @@ def _bind_pull(ctx: zmq.asyncio.Context, addr: str) -> zmq.asyncio.Socket:
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(addr)
+    ipc.bind(sock, addr)
     return sock

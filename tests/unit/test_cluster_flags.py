@@ -39,6 +39,20 @@ def sample(action: argparse.Action) -> list[str]:
     return ["0.5"] if action.type is float else ["x"]
 
 
+FILE_FLAGS = {"--tls-cert": ["--tls-key"], "--tls-key": ["--tls-cert"], "--tls-client-ca": ["--tls-cert", "--tls-key"],
+              "--api-key-file": []}  # fmt: skip
+"""Flags whose value is a file that must exist, and the flags they need beside them."""
+
+
+def with_files(flag: str, value: list[str], tmp_path: Path) -> tuple[list[str], list[str]]:
+    """(value, other flags) that make flag valid: a file for a FILE_FLAGS flag, with its companions."""
+    if flag not in FILE_FLAGS:
+        return value, []
+    path = tmp_path / "file.pem"
+    path.write_text("k")
+    return [str(path)], [token for other in FILE_FLAGS[flag] for token in (other, str(path))]
+
+
 def holds(argv: list[str], tokens: list[str]) -> bool:
     """Whether tokens (a flag and its value) stand together in argv."""
     return any(argv[i : i + len(tokens)] == tokens for i in range(len(argv)))
@@ -65,8 +79,8 @@ def test_every_child_flag_is_owned_set_or_routed_by_the_launcher(cli: ChildCli, 
                 with pytest.raises(ArgvError, match=f"argument {flag}: set by pdserve-cluster"):
                     plan(tmp_path, flag, *sample(action))
             continue
-        value = sample(action)
-        children = plan(tmp_path, flag, *value)
+        value, others = with_files(flag, sample(action), tmp_path)
+        children = plan(tmp_path, flag, *value, *others)
         defined_by = {c.kind for c in CHILD_CLIS if flag in c.options()}
         for child in children:
             if kind(child) in defined_by:
