@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.router import __main__ as router_main
+from pdserve.router import cluster_cli
 from pdserve.router.auth import (
     API_KEY_ENV,
     DENIED,
@@ -29,6 +30,7 @@ from pdserve.router.auth import (
     uvicorn_tls,
 )
 from pdserve.router.cli import build_parser, router_args_error
+from pdserve.router.cluster_flags import ArgvError
 from tests.router_fakes import Script, router_with_fakes
 from tests.tls_certs import TlsFiles, make_tls_files
 
@@ -169,3 +171,20 @@ def test_a_client_ca_requires_client_certificates(smollm2_dir: Path, run_dir: Pa
             assert await _generate(with_cert, address) == grpc.StatusCode.OK
 
     asyncio.run(body())
+
+
+def test_the_launcher_hands_the_security_flags_to_the_router_and_refuses_an_open_bind(
+    tls: TlsFiles, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    parser = cluster_cli.build_parser()
+    args, rest = cluster_cli.parse_args(parser, ["--model", "m", "--bind", "0.0.0.0"])
+    with pytest.raises(ArgvError, match="--bind 0.0.0.0 is reachable from other hosts"):
+        cluster_cli.plan_cluster(args, rest, tmp_path)
+    keys = tmp_path / "keys"
+    keys.write_text(KEY)
+    flags = ["--tls-cert", str(tls.server_cert), "--tls-key", str(tls.server_key), "--api-key-file", str(keys)]
+    args, rest = cluster_cli.parse_args(parser, ["--model", "m", "--bind", "0.0.0.0", *flags])
+    router, *workers = cluster_cli.plan_cluster(args, rest, tmp_path).children
+    assert router.argv[-len(flags) :] == flags
+    assert all("--api-key-file" not in w.argv and "--tls-cert" not in w.argv for w in workers)
