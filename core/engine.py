@@ -13,10 +13,10 @@ from pdserve.core.block_pool import BlockPool
 from pdserve.core.config import EngineConfig
 from pdserve.core.errors import InvalidRequestError
 from pdserve.core.kv_cache_manager import CachedLogits, KVCacheManager
-from pdserve.core.messages import TokenIds
+from pdserve.core.messages import TokenIds, TokenLogprob
 from pdserve.core.model_runner import KVAllocator, ModelRunner, is_decode_pass
 from pdserve.core.request import Request, RequestStatus
-from pdserve.core.sampler import Sampler, SamplingState
+from pdserve.core.sampler import HostLogprobs, Sampler, SamplingState, TokenLogprobs, token_logprobs
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.scheduler import Scheduler, StepPlan
 from pdserve.kernels.attention import AttentionBackend
@@ -32,6 +32,8 @@ class RequestOutput(NamedTuple):
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    """One per new token, for a request whose params ask (SamplingParams.logprobs)."""
 
 
 @dataclass
@@ -81,6 +83,11 @@ def _adopted_request(request_id: str, ids: TokenIds, num_prompt_tokens: int, sam
     )  # fmt: skip
 
 
+def _entries(logprobs: TokenLogprobs | None, batch: int) -> list[TokenLogprob | None]:
+    """Per row of a sampled batch, its logprobs entry (None for every row when no row asked)."""
+    return [None] * batch if logprobs is None else logprobs.entries(batch)
+
+
 def _fill_read_ids(plan: StepPlan) -> None:
     """Before a decode pass, which reads each sequence's token at num_computed_tokens: fill the lists whose token
     there is still a zero (a prompt left with its last token to compute after a prefix hit on the rest, say)."""
@@ -117,7 +124,9 @@ class InFlightStep(NamedTuple):
     """Where each request's placeholder sits in its token_ids."""
     tokens: torch.Tensor  # [len(reqs)] int64, host (pinned on CUDA)
     done: torch.cuda.Event | None
-    """Recorded after the copy to `tokens`; None on CPU (the copy was synchronous)."""
+    """Recorded after the copies to `tokens` and `logprobs`; None on CPU (the copies were synchronous)."""
+    logprobs: TokenLogprobs | None
+    """Host copies of the rows that asked (HostLogprobs); None when none did."""
 
 
 class Engine:
@@ -151,6 +160,7 @@ class Engine:
         # NOTE: two host buffers: a launch must not overwrite the tokens of the step still to be read
         rows = config.scheduler.max_num_seqs
         self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in "ab"]
+        self._host_logprobs = HostLogprobs(rows, pin)
 
     @property
     def num_forward_calls(self) -> int:
@@ -314,10 +324,13 @@ class Engine:
         outputs += [self._accept(req, token, None, None) for req, token in known]
         if not sampled:
             return outputs
-        tokens = self.sampler.sample(rows, [r.sampling for r, _ in sampled]).tolist()
+        states = [r.sampling for r, _ in sampled]
+        sampled_tokens = self.sampler.sample(rows, states)  # [n] on the device
+        logprobs = _entries(token_logprobs(rows, states, sampled_tokens), len(sampled))
+        tokens = sampled_tokens.tolist()
         # NOTE: only a prompt's first token may cache its logits row; other rows are never sliced out.
         return outputs + [
-            self._accept(req, token, rows[i] if hit is None and req.num_output_tokens == 0 else None, hit)
+            self._accept(req, token, rows[i] if hit is None and req.num_output_tokens == 0 else None, hit, logprobs[i])
             for i, ((req, hit), token) in enumerate(zip(sampled, tokens, strict=True))
         ]
 
@@ -344,12 +357,16 @@ class Engine:
         prev = self._in_flight
         sampled_rows = None if prev is None else [prev.rows.get(req, -1) for req in reqs]
         logits = self.runner.execute(plan, sampled_rows)  # [n, vocab]
-        tokens = self.sampler.sample(logits, [req.sampling for req in reqs])  # [n] on the device
+        states = [req.sampling for req in reqs]
+        tokens = self.sampler.sample(logits, states)  # [n] on the device
         n = len(reqs)
         self.runner.decode_batch.sampled[:n].copy_(tokens)
         host = self._host_tokens[0][:n]
         self._host_tokens.reverse()
         host.copy_(tokens, non_blocking=True)
+        logprobs = token_logprobs(logits, states, tokens)
+        if logprobs is not None:
+            logprobs = self._host_logprobs.copy(logprobs)
         done = None
         if tokens.is_cuda:
             done = torch.cuda.Event()
@@ -359,7 +376,7 @@ class Engine:
             req.num_computed_tokens += 1
             indices.append(len(req.token_ids))
             req.token_ids.append(PLACEHOLDER)
-        return InFlightStep(reqs, {req: i for i, req in enumerate(reqs)}, indices, host, done)
+        return InFlightStep(reqs, {req: i for i, req in enumerate(reqs)}, indices, host, done, logprobs)
 
     def _read_in_flight(self) -> list[RequestOutput]:
         """Wait for the in-flight step's tokens and accept them; finished or aborted requests drop theirs."""
@@ -369,12 +386,13 @@ class Engine:
         if step.done is not None:
             step.done.synchronize()
         outputs = []
-        for req, index, token in zip(step.reqs, step.indices, step.tokens.tolist(), strict=True):
+        logprobs = _entries(step.logprobs, len(step.reqs))
+        for i, (req, index, token) in enumerate(zip(step.reqs, step.indices, step.tokens.tolist(), strict=True)):
             if req.status is RequestStatus.FINISHED:
                 continue
             req.token_ids[index] = token
             self.kv.commit(req, None)
-            outputs.append(self._stop_or_continue(req, token, index + 1))
+            outputs.append(self._stop_or_continue(req, token, index + 1, logprobs[i]))
         return outputs
 
     def _run(
@@ -399,7 +417,8 @@ class Engine:
                     self.kv.commit(req, None)
         for req, hit in plan.cached_hits:
             self.stats.num_full_hits += 1
-            if hit.greedy_token is not None and req.sampling.plain_greedy():
+            # NOTE: a request that asks for logprobs samples the hit's row again (the same token) to compute them
+            if hit.greedy_token is not None and req.sampling.plain_greedy() and not req.sampling.params.logprobs:
                 known.append((req, hit.greedy_token))
                 continue
             sampled.append((req, hit))
@@ -408,7 +427,10 @@ class Engine:
             return sampled, parts[0], known
         return sampled, torch.cat(parts) if parts else torch.empty(0), known
 
-    def _accept(self, req: Request, token: int, row: torch.Tensor | None, hit: CachedLogits | None) -> RequestOutput:
+    def _accept(
+        self, req: Request, token: int, row: torch.Tensor | None, hit: CachedLogits | None,
+        logprob: TokenLogprob | None = None,
+    ) -> RequestOutput:  # fmt: skip
         """Cache what the pass computed (a plain greedy token with its row or hit), append the sampled token,
         finish the request if it stopped."""
         greedy = token if req.sampling.plain_greedy() else None
@@ -423,19 +445,25 @@ class Engine:
             self.stats.num_cached_prompt_tokens += req.num_cached_tokens
             self.stats.num_prompt_tokens += req.num_prompt_tokens
         tokens.append(token)
-        return self._stop_or_continue(req, token, len(tokens))
+        return self._stop_or_continue(req, token, len(tokens), logprob)
 
-    def _stop_or_continue(self, req: Request, token: int, num_tokens: int) -> RequestOutput:
-        """Count a token that is now token_ids[num_tokens - 1]; finish the request if it stopped."""
+    def _stop_or_continue(
+        self, req: Request, token: int, num_tokens: int, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
+        """Count a token that is now token_ids[num_tokens - 1] (its logprob, if the request asked); finish the
+        request if it stopped."""
         reason = req.sampling.check_stop(token)
         if reason is None and num_tokens >= self.config.model.max_model_len:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(req, reason)
             del self.requests[req.request_id]
-        return self._output(req, [token], num_tokens)
+        return self._output(req, [token], num_tokens, None if logprob is None else [logprob])
 
-    def _output(self, req: Request, new_tokens: list[int], num_tokens: int | None = None) -> RequestOutput:
+    def _output(
+        self, req: Request, new_tokens: list[int], num_tokens: int | None = None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> RequestOutput:  # fmt: skip
         """num_tokens: the request's tokens through the last new one (default: all of token_ids)."""
         done = req.status is RequestStatus.FINISHED
         return RequestOutput(
@@ -446,6 +474,7 @@ class Engine:
             req.num_prompt_tokens,
             (len(req.token_ids) if num_tokens is None else num_tokens) - req.num_prompt_tokens,
             req.num_cached_tokens,
+            logprobs,
         )
 
     def generate(self, prompts: Sequence[TokenIds], params: SamplingParams) -> list[list[int]]:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import msgpack
 import numpy as np
 
-from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 64 << 20
@@ -101,6 +101,8 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     num_generated: int = 0
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,11 @@ class DecodeWorkerLostCmd:
     decode_worker: int
 
 
+TokenLogprob = tuple[float, list[int], list[float]]
+"""One generated token's log-probability, then the ids and log-probabilities of the most likely tokens at its
+position, most likely first (as many as the request's top_logprobs). msgpack sends it as a list."""
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """Worker -> router: new tokens of a request. index is the position of token_ids[0] among the
@@ -192,6 +199,8 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     timings: Timings | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of token_ids, for requests that asked (Sampling.logprobs); None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -495,6 +504,8 @@ def _build(cls: type, fields: dict[str, Any]) -> Any:
             value = _build_kv_events(value)
         elif isinstance(value, list) and name == "stop_token_ids":
             value = tuple(value)
+        elif cls is TokenEvent and name == "logprobs" and value is not None:
+            value = _build_logprobs(value, fields.get("token_ids"))
         kwargs[name] = value
     try:
         return cls(**kwargs)
@@ -506,6 +517,26 @@ def _build_events(value: Any) -> list[TokenEvent]:
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise MessageError("TokenBatchEvent.events must be a list of TokenEvent fields")
     return [_build(TokenEvent, v) for v in value]
+
+
+def _build_logprobs(value: Any, token_ids: Any) -> list[TokenLogprob]:
+    """TokenEvent.logprobs as tuples; MessageError unless one [float, ids, floats] per token (the router builds
+    responses from them)."""
+    if not (isinstance(value, list) and isinstance(token_ids, list) and len(value) == len(token_ids)):
+        raise MessageError("TokenEvent.logprobs must be a list with one entry per token")
+    return [_token_logprob(entry) for entry in value]
+
+
+def _token_logprob(entry: Any) -> TokenLogprob:
+    if not (isinstance(entry, list) and len(entry) == 3 and type(entry[0]) is float):
+        raise MessageError(f"TokenEvent.logprobs: bad entry {entry!r}")
+    ids, logprobs = entry[1], entry[2]
+    ok = isinstance(ids, list) and isinstance(logprobs, list) and len(ids) == len(logprobs) <= MAX_TOP_LOGPROBS
+    if not (ok and all(type(i) is int and INT32.min <= i <= INT32.max for i in ids)):
+        raise MessageError(f"TokenEvent.logprobs: bad top ids {entry!r}")
+    if not all(type(v) is float for v in logprobs):
+        raise MessageError(f"TokenEvent.logprobs: bad top logprobs {entry!r}")
+    return (entry[0], ids, logprobs)
 
 
 def _is_uint64(value: Any) -> bool:
@@ -549,6 +580,8 @@ def sampling_to_params(s: Sampling) -> SamplingParams:
         min_tokens=s.min_tokens,
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
     )
 
 
@@ -563,4 +596,6 @@ def params_to_sampling(p: SamplingParams, num_generated: int = 0) -> Sampling:
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         num_generated=num_generated,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
     )

@@ -11,11 +11,12 @@ import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
-from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.messages import TokenLogprob
+from pdserve.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 FinishReason = Literal["stop", "length"]
 
@@ -76,6 +77,56 @@ def step_seed(seed: int, num_generated: int) -> int:
     return _splitmix64((_splitmix64(seed) + num_generated) & _MASK64) >> 1
 
 
+class TokenLogprobs(NamedTuple):
+    """Log-probabilities of one sampled batch's rows that asked for them (token_logprobs)."""
+
+    rows: list[int]
+    """Batch rows that asked, ascending."""
+    num_top: list[int]
+    """Each such row's top_logprobs."""
+    chosen: torch.Tensor  # [m] float32: each row's sampled token
+    top_ids: torch.Tensor  # [m, max(num_top)] int64, most likely first
+    top_logprobs: torch.Tensor  # [m, max(num_top)] float32
+
+    def entries(self, batch: int) -> list[TokenLogprob | None]:
+        """Per batch row, its (logprob, top ids, top logprobs), None for rows that did not ask; reads the
+        tensors on the host (a sync if they are on a device)."""
+        out: list[TokenLogprob | None] = [None] * batch
+        chosen, ids, logprobs = self.chosen.tolist(), self.top_ids.tolist(), self.top_logprobs.tolist()
+        for j, (row, k) in enumerate(zip(self.rows, self.num_top, strict=True)):
+            out[row] = (chosen[j], ids[j][:k], logprobs[j][:k])
+        return out
+
+
+class HostLogprobs:
+    """Pinned host copies of TokenLogprobs for a step whose host reads them later (the engine's overlapped
+    decode steps): two sets used in turn, so a launch never overwrites the set of the step still to be read."""
+
+    def __init__(self, max_rows: int, pin: bool) -> None:
+        size = max_rows * MAX_TOP_LOGPROBS
+        self._sets = [
+            (
+                torch.zeros(max_rows, dtype=torch.float32, pin_memory=pin),
+                torch.zeros(size, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(size, dtype=torch.float32, pin_memory=pin),
+            )
+            for _ in "ab"
+        ]
+
+    def copy(self, lp: TokenLogprobs) -> TokenLogprobs:
+        """lp with its tensors copied (asynchronously from a device) into the next set; read them once the
+        copies are done (an event recorded after this)."""
+        chosen, ids, logprobs = self._sets[0]
+        self._sets.reverse()
+        m, k = lp.top_ids.shape
+        # NOTE: flat prefixes viewed as [m, k] are contiguous, so each copy is one asynchronous memcpy
+        top_ids, top_logprobs = ids[: m * k].view(m, k), logprobs[: m * k].view(m, k)
+        chosen[:m].copy_(lp.chosen, non_blocking=True)
+        top_ids.copy_(lp.top_ids, non_blocking=True)
+        top_logprobs.copy_(lp.top_logprobs, non_blocking=True)
+        return lp._replace(chosen=chosen[:m], top_ids=top_ids, top_logprobs=top_logprobs)
+
+
 def _resolve_device(device: torch.device | str) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -107,7 +158,7 @@ class Sampler:
         all_greedy = all(s.params.greedy for s in states)
         x = logits.float()  # [batch, vocab]
         if needs_mask:
-            x = self._mask_stop_ids(x, states)
+            x = _mask_stop_ids(x, states)
         if all_greedy:
             return x.argmax(dim=-1)
         return self._sample_mixed(x, states)
@@ -117,21 +168,6 @@ class Sampler:
             raise ValueError(f"logits must be [batch={len(states)}, vocab], got {tuple(logits.shape)}")
         if logits.device != self.device:
             raise ValueError(f"logits on {logits.device}, sampler on {self.device}")
-
-    def _mask_stop_ids(self, x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-        """A copy of x with each row's stop ids at -inf while that row is below min_tokens."""
-        vocab = x.shape[1]
-        rows: list[int] = []
-        cols: list[int] = []
-        for i, s in enumerate(states):
-            if s.needs_stop_mask():
-                ids = [t for t in s.stop_ids() if 0 <= t < vocab]
-                rows += [i] * len(ids)
-                cols += ids
-        x = x.clone()
-        if rows:
-            x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = float("-inf")
-        return x
 
     def _sample_mixed(self, x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)  # [batch]
@@ -167,6 +203,56 @@ class Sampler:
                 q[i].exponential_(generator=self._seeded_rng)
         # NOTE: keep q > 0 so that a zero-probability token scores 0, never 0/0.
         return q.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def _mask_stop_ids(x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """A copy of x with each row's stop ids at -inf while that row is below min_tokens."""
+    vocab = x.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, s in enumerate(states):
+        if s.needs_stop_mask():
+            ids = [t for t in s.stop_ids() if 0 <= t < vocab]
+            rows += [i] * len(ids)
+            cols += ids
+    x = x.clone()
+    if rows:
+        x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = float("-inf")
+    return x
+
+
+def token_logprobs(logits: torch.Tensor, states: Sequence[SamplingState], tokens: torch.Tensor) -> TokenLogprobs | None:
+    """The log-probabilities of the rows whose params ask (SamplingParams.logprobs), None when none does
+    (and then nothing runs). logits, states: what Sampler.sample took; tokens: [batch] what it returned.
+
+    A row's distribution is the one sample() drew from: log_softmax of its float32 logits with the stop ids
+    masked while below min_tokens, divided by its temperature (1 for greedy), before top-k / top-p.
+    """
+    rows = [i for i, s in enumerate(states) if s.params.logprobs]
+    if not rows:
+        return None
+    asked = [states[i] for i in rows]
+    x = logits.float()  # [batch, vocab]
+    if len(rows) < len(states):
+        index = _device_tensor(rows, torch.int64, x.device)
+        x, tokens = x.index_select(0, index), tokens.index_select(0, index)  # [m, vocab], [m]
+    if any(s.needs_stop_mask() for s in asked):
+        x = _mask_stop_ids(x, asked)
+    temps = [1.0 if s.params.greedy else s.params.temperature for s in asked]
+    if any(t != 1.0 for t in temps):
+        x = x / _device_tensor(temps, torch.float32, x.device)[:, None]  # NOTE: the division _sample_random does
+    logp = torch.log_softmax(x, dim=-1)  # [m, vocab]
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)  # [m]
+    num_top = [s.params.top_logprobs for s in asked]
+    top_logprobs, top_ids = logp.topk(max(num_top), dim=-1)  # [m, k] each, most likely first
+    return TokenLogprobs(rows, num_top, chosen, top_ids, top_logprobs)
+
+
+def _device_tensor(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """values on device without waiting for it (pinned and asynchronous on CUDA)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _apply_top_k_top_p(x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

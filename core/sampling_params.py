@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from pdserve.core.errors import InvalidRequestError
 
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives a request may ask for per token (SamplingParams.top_logprobs)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -28,6 +31,10 @@ class SamplingParams:
     """Extra token ids that finish the request (kept in the output)."""
     ignore_eos: bool = False
     """Do not stop on the model's end-of-sequence tokens."""
+    logprobs: bool = False
+    """Return each generated token's log-probability (core.sampler.token_logprobs says of which logits)."""
+    top_logprobs: int = 0
+    """With logprobs: also this many most likely tokens at each position, 0 to MAX_TOP_LOGPROBS."""
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +56,10 @@ class SamplingParams:
             raise InvalidRequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs: set logprobs to true")
         for tid in self.stop_token_ids:
             if not 0 <= tid < vocab_size:
                 raise InvalidRequestError(f"stop token id {tid} outside the vocabulary [0, {vocab_size})")

@@ -423,6 +423,7 @@ class DecodeWorker(WorkerBase):
                     out.num_prompt_tokens,
                     out.num_cached_tokens,
                     timings,
+                    out.logprobs,
                 )
             )
         if events:

@@ -247,6 +247,7 @@ class PrefillWorker(WorkerBase):
                 out.num_prompt_tokens,
                 out.num_cached_tokens,
                 timings,
+                out.logprobs,
             ),
         )
         if out.finished:
