@@ -2,8 +2,9 @@
 
     pdserve-client --address 127.0.0.1:50051 "Tell me a joke"
     pdserve-client --chat --max-tokens 64 --temperature 0 "Tell me a joke"
+    pdserve-client --temperature 0 --logprobs 5 "Tell me a joke"
 
-Text goes to stdout as it arrives; usage and timings go to stderr at the end.
+Text goes to stdout as it arrives; usage and timings (and with --logprobs each token's) go to stderr at the end.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in pb.Finis
 
 def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos)
+    if args.logprobs is not None:
+        sampling.logprobs = True
+        sampling.top_logprobs = args.logprobs
     for name in ("temperature", "top_k", "top_p", "seed"):
         value = getattr(args, name)
         if value is not None:
@@ -33,14 +37,20 @@ def build_request(args: argparse.Namespace) -> pb.GenerateRequest:
     return pb.GenerateRequest(text=args.prompt, sampling=sampling)
 
 
-def stream(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, out: TextIO) -> pb.GenerateResponse | None:
-    """Write each text delta to out as it arrives; the last response."""
+def stream(
+    stub: pb_grpc.GenerationStub, request: pb.GenerateRequest, out: TextIO,
+    logprobs: list[tuple[int, pb.Logprobs]] | None = None,
+) -> pb.GenerateResponse | None:  # fmt: skip
+    """Write each text delta to out as it arrives; the last response. logprobs: gets each token with its
+    Logprobs, when the request asked for them."""
     last = None
     call = stub.Generate(request)
     try:
         for response in call:
             out.write(response.text)
             out.flush()
+            if logprobs is not None:
+                logprobs += zip(response.token_ids, response.logprobs, strict=True)
             last = response
     except KeyboardInterrupt:
         call.cancel()
@@ -58,6 +68,15 @@ def summary(last: pb.GenerateResponse) -> str:
     )
 
 
+def format_logprobs(tokens: list[tuple[int, pb.Logprobs]]) -> str:
+    """One line per token: its id and logprob, then the top alternatives as id:logprob."""
+    lines = []
+    for token_id, lp in tokens:
+        top = " ".join(f"{t.token_id}:{t.logprob:.4f}" for t in lp.top)
+        lines.append(f"{token_id:>8} {lp.logprob:10.4f}  {top}".rstrip())
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve-client", description="Stream a generation from a pdserve router.")
     p.add_argument("prompt")
@@ -71,6 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N", help="print each token's logprob and top N")
     p.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
     return p.parse_args(argv)
 
@@ -82,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.timeout is not None:
                 grpc.channel_ready_future(channel).result(timeout=args.timeout)
-            last = stream(stub, build_request(args), sys.stdout)
+            tokens: list[tuple[int, pb.Logprobs]] | None = None if args.logprobs is None else []
+            last = stream(stub, build_request(args), sys.stdout, tokens)
         except grpc.RpcError as exc:
             print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
@@ -92,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             return 130
     print(file=sys.stdout)
+    if tokens:
+        print(format_logprobs(tokens), file=sys.stderr)
     if last is not None:
         print(summary(last), file=sys.stderr)
     return 0

@@ -4,9 +4,10 @@ text deltas, stop strings, usage and timings."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
-from pdserve.core.messages import Sampling, Timings, TokenEvent, TokenIds
+from pdserve.core.messages import Sampling, Timings, TokenEvent, TokenIds, TokenLogprob
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.router.tokenizer import RouterTokenizer, StopStringMatcher
 
@@ -48,18 +49,27 @@ class TokenReorderer:
         new = event.token_ids[skip:]
         # NOTE: an event with no tokens is only meaningful as a finish marker at the current index.
         if new or (skip == 0 and event.finish_reason is not None):
-            out.append(event if skip == 0 else dataclasses.replace(event, index=self.next_index, token_ids=list(new)))
+            out.append(event if skip == 0 else _skip(event, skip))
             self.next_index += len(new)
             self.finished = event.finish_reason is not None
 
 
+def _skip(event: TokenEvent, skip: int) -> TokenEvent:
+    """event without its first skip tokens (and their logprobs)."""
+    logprobs = None if event.logprobs is None else event.logprobs[skip:]
+    return dataclasses.replace(event, index=event.index + skip, token_ids=event.token_ids[skip:], logprobs=logprobs)
+
+
 def merge(events: Sequence[TokenEvent]) -> TokenEvent:
     """Consecutive in-order events (TokenReorderer output) as one: the tokens of all, the last finish reason,
-    the latest timings. The router sends one response per merge, so a stream whose client or router is
-    behind catches up with fewer, larger responses."""
+    the latest timings, the logprobs of all (None when no event has any). The router sends one response per
+    merge, so a stream whose client or router is behind catches up with fewer, larger responses."""
     if len(events) == 1:
         return events[0]
     timings = next((e.timings for e in reversed(events) if e.timings is not None), None)
+    logprobs = None
+    if any(e.logprobs is not None for e in events):
+        logprobs = [lp for e in events for lp in _logprobs_of(e)]
     return TokenEvent(
         events[0].request_id,
         events[0].index,
@@ -68,7 +78,19 @@ def merge(events: Sequence[TokenEvent]) -> TokenEvent:
         max(e.num_prompt_tokens for e in events),
         max(e.num_cached_tokens for e in events),
         timings,
+        logprobs,
     )
+
+
+def _logprobs_of(event: TokenEvent) -> list[TokenLogprob]:
+    """event.logprobs; NaN entries for tokens without (never from a worker that was asked: it keeps the merged
+    list one entry per token)."""
+    if event.logprobs is not None:
+        return event.logprobs
+    return [_MISSING] * len(event.token_ids)
+
+
+_MISSING: TokenLogprob = (math.nan, [], [])
 
 
 class ResponseBuilder:
@@ -83,6 +105,7 @@ class ResponseBuilder:
         self.detokenizer = tokenizer.detokenizer(prompt_ids)
         self.matcher = StopStringMatcher(stop)
         self.min_tokens = sampling.min_tokens
+        self.logprobs = sampling.logprobs
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0
         self.num_generated = 0
@@ -108,6 +131,8 @@ class ResponseBuilder:
             reason = FINISH_REASONS.get(event.finish_reason, pb.FINISH_REASON_ABORT)
             self.finish_reason = pb.FINISH_REASON_STOP if self.matcher.stopped else reason
         response = pb.GenerateResponse(token_ids=token_ids, text="".join(text), request_id=self.request_id)
+        if self.logprobs:
+            response.logprobs.extend(_logprobs_pb(event, len(token_ids)))
         if self.finished:
             response.finish_reason = self.finish_reason
             response.usage.CopyFrom(self.usage())
@@ -161,6 +186,16 @@ class ResponseBuilder:
             handoff_ms=_ms(t.prefill_end, handoff_end),
             first_token_ms=_ms(arrival, t.first_token),
         )
+
+
+def _logprobs_pb(event: TokenEvent, num_tokens: int) -> list[pb.Logprobs]:
+    """The logprobs of the event's first num_tokens tokens (those the response carries: a stop string may cut
+    the rest)."""
+    entries = _logprobs_of(event)[:num_tokens]
+    return [
+        pb.Logprobs(logprob=lp, top=[pb.TokenLogprob(token_id=i, logprob=v) for i, v in zip(ids, top, strict=True)])
+        for lp, ids, top in entries
+    ]
 
 
 def _ms(start: float, end: float) -> float:

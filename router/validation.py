@@ -116,6 +116,8 @@ def sampling_params(p: pb.SamplingParams, room: int) -> SamplingParams:
         min_tokens=p.min_tokens if p.HasField("min_tokens") else DEFAULTS.min_tokens,
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
     )
 
 
