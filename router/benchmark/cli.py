@@ -5,6 +5,10 @@
     pdserve-bench-serving --dataset shared-prefix --num-groups 8 --prefix-len 900 --suffix-len 100 --output-len 30
     pdserve-bench-serving --dataset long-prompt --num-short 16 --long-rate 0.5 --duration 60
     pdserve-bench-serving --dataset duplicate --model-dir models/smollm2 --num-groups 16 --copies 4
+    pdserve-bench-serving --backend openai --address 127.0.0.1:8000 --model-dir models/smollm2 --num-prompts 200
+
+--backend openai streams POST /v1/completions (server-sent events) instead of the gRPC Generate call; the model's
+vocabulary and name then come from --model-dir.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.router.benchmark import datasets as ds
 from pdserve.router.benchmark.metrics import build_report, format_table, parse_goodput, parse_percentiles
 from pdserve.router.benchmark.runner import RunConfig, fetch_model_info, run_in_processes
+from pdserve.router.model_info import ModelSpec
 from pdserve.router.tokenizer import RouterTokenizer
 
 DATASETS = ("random", "shared-prefix", "long-prompt", "duplicate")
@@ -35,6 +40,7 @@ DATASET_ARGS = {
     "duplicate": ("num_groups", "copies", "num_words", "output_len", "model_dir"),
 }  # fmt: skip
 ARRIVAL_ARGS = ("request_rate", "burstiness", "max_concurrency", "seed")
+BACKENDS = ("grpc", "openai")
 
 
 def add_dataset_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +56,9 @@ def add_dataset_args(p: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdserve-bench-serving", description="Serving benchmark of a pdserve router.")
-    p.add_argument("--address", default="127.0.0.1:50051", help="router host:port")
+    p.add_argument("--address", default="127.0.0.1:50051", help="router host:port (openai: or http://host:port)")
+    p.add_argument("--backend", choices=BACKENDS, default="grpc", help="gRPC Generate or OpenAI /v1/completions")
+    p.add_argument("--served-model-name", default=None, help="openai: the requests' model (default: --model-dir name)")
     p.add_argument("--dataset", choices=DATASETS, default="random")
     add_dataset_args(p)
     p.add_argument("--num-short", type=int, default=8, help="concurrent short streams (long-prompt)")
@@ -62,7 +70,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=60.0, help="seconds (long-prompt)")
     p.add_argument("--copies", type=int, default=2, help="requests per text (duplicate)")
     p.add_argument("--num-words", default="64:128", help="words per text, N or MIN:MAX (duplicate)")
-    p.add_argument("--model-dir", default=None, help="model folder with tokenizer.json (duplicate)")
+    p.add_argument("--model-dir", default=None, help="model folder (duplicate: its tokenizer; openai: its config)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="req/s; inf sends all at once")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times; 1 = Poisson")
     p.add_argument("--max-concurrency", type=int, default=None, help="open-loop requests in flight at most")
@@ -81,6 +89,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.output_len = DEFAULT_OUTPUT_LEN.get(args.dataset, "128")
     if args.dataset == "duplicate" and not args.model_dir:
         p.error("--dataset duplicate needs --model-dir (the tokenizer)")
+    if args.backend == "openai" and not args.model_dir:
+        p.error("--backend openai needs --model-dir (the vocabulary and the model's name)")
     return args
 
 
@@ -111,6 +121,15 @@ def build_workload(args: argparse.Namespace, vocab: ds.VocabInfo) -> ds.Workload
     else:
         specs = build_specs(args, vocab)
     return ds.schedule(specs, args.request_rate, args.burstiness, args.seed)
+
+
+def model_from_dir(model_dir: str) -> pb.ModelInfo:
+    """What GetModelInfo would say, read from the model folder (the OpenAI door has no such call)."""
+    spec = ModelSpec.from_dir(model_dir)
+    return pb.ModelInfo(
+        model_name=spec.name, vocab_size=spec.vocab_size, max_model_len=spec.max_model_len,
+        eos_token_ids=spec.eos_token_ids,
+    )  # fmt: skip
 
 
 def model_json(info: pb.ModelInfo) -> dict[str, Any]:
@@ -168,15 +187,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     percentiles, slos = parse_percentiles(args.percentiles), parse_goodput(args.goodput)
-    info = asyncio.run(fetch_model_info(args.address, args.timeout))
+    if args.backend == "openai":
+        info = model_from_dir(args.model_dir)
+    else:
+        info = asyncio.run(fetch_model_info(args.address, args.timeout))
     vocab = ds.VocabInfo(info.vocab_size, tuple(info.eos_token_ids))
     workload = build_workload(args, vocab)
     config = RunConfig(
-        args.address, args.max_concurrency, args.ignore_eos, args.temperature, args.timeout, not args.no_progress
-    )
+        args.address, args.max_concurrency, args.ignore_eos, args.temperature, args.timeout, not args.no_progress,
+        args.backend, args.served_model_name or info.model_name,
+    )  # fmt: skip
     records = run_in_processes(workload, config, args.client_processes)
+    backend = "pdserve" if args.backend == "grpc" else "pdserve-openai"
     report = build_report(
-        run_config_json(args, argv, "pdserve", model_json(info)), records, percentiles, slos, args.save_detailed
+        run_config_json(args, argv, backend, model_json(info)), records, percentiles, slos, args.save_detailed
     )
     print_report(report, percentiles)
     if args.result_json:

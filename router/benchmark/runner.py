@@ -1,14 +1,18 @@
-"""Send a workload to a pdserve router over grpc.aio, one task per request, and record every response's time."""
+"""Send a workload to a pdserve router, one task per request, and record every response's time: over grpc.aio
+(pdserve.v1.Generation) or over HTTP (OpenAI completions, openai_client.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import itertools
 import multiprocessing
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import grpc
 from tqdm import tqdm
@@ -21,6 +25,7 @@ from pdserve.router.benchmark.metrics import RequestRecord
 
 FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in pb.FinishReason.items()}
 TIMING_FIELDS = ("queue_ms", "prefill_ms", "handoff_ms", "first_token_ms")
+Backend = Literal["grpc", "openai"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,10 @@ class RunConfig:
     """How long to wait for the channel to connect."""
     show_progress: bool = True
     """Draw a tqdm progress bar on stderr."""
+    backend: Backend = "grpc"
+    """grpc: pdserve.v1.Generation at address; openai: POST http://address/v1/completions (openai_client.py)."""
+    model_name: str = ""
+    """The "model" field of OpenAI requests."""
 
 
 async def fetch_model_info(address: str, timeout_s: float = 30.0) -> pb.ModelInfo:
@@ -57,7 +66,7 @@ def build_request(spec: RequestSpec, config: RunConfig) -> pb.GenerateRequest:
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=spec.prompt_ids), sampling=sampling)
 
 
-class _Clock:
+class Clock:
     """Seconds since the benchmark started (perf_counter: CLOCK_MONOTONIC, one clock for every process)."""
 
     def __init__(self, t0: float | None = None) -> None:
@@ -67,8 +76,12 @@ class _Clock:
         return time.perf_counter() - self.t0
 
 
+Sender = Callable[[RequestSpec, int, Clock], Awaitable[RequestRecord]]
+"""Sends one request (spec, its index) and records it; one per backend connection."""
+
+
 async def send_one(
-    stub: pb_grpc.GenerationStub, spec: RequestSpec, index: int, config: RunConfig, clock: _Clock
+    stub: pb_grpc.GenerationStub, config: RunConfig, spec: RequestSpec, index: int, clock: Clock
 ) -> RequestRecord:
     """Stream one request; a gRPC error or a token-count mismatch makes a failed record."""
     times: list[float] = []
@@ -95,35 +108,46 @@ async def send_one(
     )  # fmt: skip
 
 
+@contextlib.asynccontextmanager
+async def grpc_sender(config: RunConfig) -> AsyncIterator[Sender]:
+    """send_one over one channel, once it is connected."""
+    async with grpc.aio.insecure_channel(config.address) as channel:
+        await asyncio.wait_for(channel.channel_ready(), config.ready_timeout_s)
+        yield functools.partial(send_one, pb_grpc.GenerationStub(channel), config)
+
+
+def open_sender(config: RunConfig) -> contextlib.AbstractAsyncContextManager[Sender]:
+    """The sender of config.backend."""
+    if config.backend == "openai":
+        from pdserve.router.benchmark.openai_client import openai_sender  # NOTE: aiohttp only where it is used
+
+        return openai_sender(config)
+    return grpc_sender(config)
+
+
 async def _open_loop_one(
-    stub: pb_grpc.GenerationStub,
-    spec: RequestSpec,
-    index: int,
-    config: RunConfig,
-    clock: _Clock,
-    semaphore: asyncio.Semaphore | None,
+    send: Sender, spec: RequestSpec, index: int, clock: Clock, semaphore: asyncio.Semaphore | None
 ) -> RequestRecord:
     await asyncio.sleep(max(0.0, (spec.start_time or 0.0) - clock.now()))
     if semaphore is None:
-        return await send_one(stub, spec, index, config, clock)
+        return await send(spec, index, clock)
     async with semaphore:
-        return await send_one(stub, spec, index, config, clock)
+        return await send(spec, index, clock)
 
 
 async def _closed_loop_stream(
-    stub: pb_grpc.GenerationStub,
+    send: Sender,
     loop: ClosedLoop,
     counter: itertools.count,
     first_index: int,
-    config: RunConfig,
-    clock: _Clock,
+    clock: Clock,
     done: Callable[[RequestRecord], None],
 ) -> list[RequestRecord]:
     """One closed-loop stream: send the next spec as soon as the previous one ends, until duration_s."""
     records = []
     while clock.now() < loop.duration_s:
         k = next(counter)
-        record = await send_one(stub, loop.spec(k), first_index + k, config, clock)
+        record = await send(loop.spec(k), first_index + k, clock)
         records.append(record)
         done(record)
     return records
@@ -143,20 +167,18 @@ async def run_workload(workload: Workload, config: RunConfig, t0: float | None =
     def done(_: RequestRecord) -> None:
         bar.update(1)
 
-    async with grpc.aio.insecure_channel(config.address) as channel:
-        await asyncio.wait_for(channel.channel_ready(), config.ready_timeout_s)
-        stub = pb_grpc.GenerationStub(channel)
+    async with open_sender(config) as send:
         freeze_startup_heap()  # NOTE: the workload's prompts and the client's set-up never need scanning again
-        clock = _Clock(t0)
+        clock = Clock(t0)
         await asyncio.sleep(max(0.0, -clock.now()))
         tasks = []
         for i, spec in enumerate(workload.requests):
-            task = asyncio.create_task(_open_loop_one(stub, spec, i, config, clock, semaphore))
+            task = asyncio.create_task(_open_loop_one(send, spec, i, clock, semaphore))
             task.add_done_callback(lambda t: done(t.result()) if not t.cancelled() and not t.exception() else None)
             tasks.append(task)
         counter = itertools.count()
         streams = [
-            asyncio.create_task(_closed_loop_stream(stub, lp, counter, len(tasks), config, clock, done))
+            asyncio.create_task(_closed_loop_stream(send, lp, counter, len(tasks), clock, done))
             for lp in ([loop] * loop.num_streams if loop is not None else [])
         ]
         opened = await asyncio.gather(*tasks)
