@@ -22,7 +22,6 @@ from pdserve.router import cluster_cli
 from pdserve.router.auth import (
     API_KEY_ENV,
     DENIED,
-    ClientAuth,
     EdgeSecurity,
     SecurityError,
     exposure_error,
@@ -30,6 +29,7 @@ from pdserve.router.auth import (
     uvicorn_tls,
 )
 from pdserve.router.cli import build_parser, router_args_error
+from pdserve.router.client_auth import ClientAuth
 from pdserve.router.cluster_flags import ArgvError
 from tests.router_fakes import Script, router_with_fakes
 from tests.tls_certs import TlsFiles, make_tls_files
@@ -119,13 +119,19 @@ async def _generate(auth: ClientAuth, address: str) -> grpc.StatusCode:
     """The status of one Generate call (tokens checked when OK)."""
     async with auth.aio_channel(address) as channel:
         try:
-            got = [r async for r in pb_grpc.GenerationStub(channel).Generate(REQUEST, metadata=auth.metadata)]
+            got = [r async for r in pb_grpc.GenerationStub(channel).Generate(REQUEST)]
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 assert exc.details() == DENIED
             return exc.code()
     assert [t for r in got for t in r.token_ids] == [7, 8, 9]
     return grpc.StatusCode.OK
+
+
+def _sync_tokens(auth: ClientAuth, address: str) -> list[int]:
+    """Generate over auth's blocking channel (pdserve-client's)."""
+    with auth.channel(address) as channel:
+        return [t for r in pb_grpc.GenerationStub(channel).Generate(REQUEST) for t in r.token_ids]
 
 
 async def _open_calls(auth: ClientAuth, address: str) -> tuple[int, grpc.StatusCode]:
@@ -135,7 +141,7 @@ async def _open_calls(auth: ClientAuth, address: str) -> tuple[int, grpc.StatusC
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         try:
-            [_ async for _ in stub.ServerReflectionInfo(iter([request]), metadata=auth.metadata)]
+            [_ async for _ in stub.ServerReflectionInfo(iter([request]))]
             code = grpc.StatusCode.OK
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
@@ -152,6 +158,7 @@ def test_tls_and_api_key_no_key_wrong_key_right_key(smollm2_dir: Path, run_dir: 
             assert await _generate(ClientAuth(ca), address) == grpc.StatusCode.UNAUTHENTICATED
             assert await _generate(ClientAuth(ca, api_key="wrong"), address) == grpc.StatusCode.UNAUTHENTICATED
             assert await _generate(ClientAuth(ca, api_key=KEY), address) == grpc.StatusCode.OK
+            assert await asyncio.to_thread(_sync_tokens, ClientAuth(ca, api_key=KEY), address) == [7, 8, 9]
             assert await _generate(ClientAuth(api_key=KEY), address) == grpc.StatusCode.UNAVAILABLE  # NOTE: plaintext
             assert await _open_calls(ClientAuth(ca), address) == (1, grpc.StatusCode.UNAUTHENTICATED)
             assert await _open_calls(ClientAuth(ca, api_key=KEY), address) == (1, grpc.StatusCode.OK)
