@@ -17,6 +17,7 @@ import grpc
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from pdserve.router.client_auth import add_client_args, client_auth
 
 FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in pb.FinishReason.items()}
 
@@ -92,12 +93,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", type=int, default=None, metavar="N", help="print each token's logprob and top N")
     p.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+    add_client_args(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    with grpc.insecure_channel(args.address) as channel:
+    with client_auth(args).channel(args.address) as channel:
         stub = pb_grpc.GenerationStub(channel)
         try:
             if args.timeout is not None:
