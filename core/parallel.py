@@ -69,6 +69,10 @@ def kv_head_range(num_kv_heads: int, size: int, rank: int) -> tuple[int, int]:
     return rank // (size // num_kv_heads), 1
 
 
+ALIGN = 16
+"""Bytes: the one-shot kernel's vectorized loads need the message's start and size aligned."""
+
+
 class OneShotAllReduce:
     """torch's one-shot all-reduce (torch.ops.symm_mem) over one symmetric buffer of `numel` elements per rank,
     mapped into every peer at rendezvous. A call copies x into this rank's buffer; the kernel waits on every
@@ -87,10 +91,13 @@ class OneShotAllReduce:
                 symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm_mem.empty(numel, dtype=dtype, device=device)  # [numel]
         self.handle = symm_mem.rendezvous(self.buffer, self.group_name)
-        self(torch.zeros(1, dtype=dtype, device=device))  # NOTE: a dtype the kernel lacks fails here, on every rank
+        self(torch.zeros(ALIGN, dtype=dtype, device=device))  # NOTE: a dtype the kernel lacks fails here, on every rank
 
     def fits(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and x.dtype == self.buffer.dtype and x.numel() <= self.buffer.numel() and x.is_contiguous()
+        """x is a message the kernel takes: CUDA, the buffer's dtype, no larger, contiguous and 16-byte aligned."""
+        if not x.is_cuda or x.dtype != self.buffer.dtype or x.numel() > self.buffer.numel() or not x.is_contiguous():
+            return False
+        return (x.numel() * x.element_size()) % ALIGN == 0 and x.data_ptr() % ALIGN == 0
 
     def __call__(self, x: torch.Tensor) -> None:
         n, flat = x.numel(), x.view(-1)

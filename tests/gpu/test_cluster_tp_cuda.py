@@ -9,6 +9,7 @@ import os
 import signal
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
@@ -50,6 +51,7 @@ def test_tp_groups_on_two_gpus_match_transformers(shape: str, tiny_llama_dir: Pa
             os.kill(rank1, signal.SIGKILL)
             cluster.wait_for(lambda: cluster.stats("decode", 0)["pid"] != leader, 120.0, "decode-0 back")
             cluster.wait_for(lambda: len(cluster.stats("decode", 0)["ranks"]) == 2, 120.0, "both ranks back")
+            cluster.wait_for(lambda: _serves(cluster), 30.0, "the router to take the restarted group")
             assert_serves_like_transformers(cluster, tiny_llama_dir, seed=72)
     finally:
         cluster.stop()
@@ -66,3 +68,14 @@ def test_colocated_tp_2_matches_transformers(tiny_llama_dir: Path, tmp_path: Pat
         assert len(cluster.stats("decode", 0)["ranks"]) == 2
     finally:
         cluster.stop()
+
+
+def _serves(cluster: Cluster) -> bool:
+    """One short request streams (False while the router answers UNAVAILABLE: it has not heard the worker yet)."""
+    try:
+        asyncio.run(generate_all(cluster.address, [[1, 2, 3]], max_tokens=2))
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+        return False
+    return True
