@@ -27,6 +27,7 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.router.benchmark import datasets as ds
 from pdserve.router.benchmark.metrics import build_report, format_table, parse_goodput, parse_percentiles
 from pdserve.router.benchmark.runner import RunConfig, fetch_model_info, run_in_processes
+from pdserve.router.client_auth import add_client_args, client_auth
 from pdserve.router.model_info import ModelSpec
 from pdserve.router.tokenizer import RouterTokenizer
 
@@ -84,6 +85,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, metavar="DIR", help="write ttft_cdf/itl_cdf/latency_over_time PNGs")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the router")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    add_client_args(p)
     args = p.parse_args(argv)
     if args.output_len is None:
         args.output_len = DEFAULT_OUTPUT_LEN.get(args.dataset, "128")
@@ -190,12 +192,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.backend == "openai":
         info = model_from_dir(args.model_dir)
     else:
-        info = asyncio.run(fetch_model_info(args.address, args.timeout))
+        info = asyncio.run(fetch_model_info(args.address, args.timeout, client_auth(args)))
     vocab = ds.VocabInfo(info.vocab_size, tuple(info.eos_token_ids))
     workload = build_workload(args, vocab)
     config = RunConfig(
         args.address, args.max_concurrency, args.ignore_eos, args.temperature, args.timeout, not args.no_progress,
-        args.backend, args.served_model_name or info.model_name,
+        args.backend, args.served_model_name or info.model_name, client_auth(args),
     )  # fmt: skip
     records = run_in_processes(workload, config, args.client_processes)
     backend = "pdserve" if args.backend == "grpc" else "pdserve-openai"

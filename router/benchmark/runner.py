@@ -11,7 +11,7 @@ import itertools
 import multiprocessing
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import grpc
@@ -22,6 +22,7 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.router.benchmark.datasets import ClosedLoop, RequestSpec, Workload
 from pdserve.router.benchmark.metrics import RequestRecord
+from pdserve.router.client_auth import ClientAuth
 
 FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower() for k, v in pb.FinishReason.items()}
 TIMING_FIELDS = ("queue_ms", "prefill_ms", "handoff_ms", "first_token_ms")
@@ -48,11 +49,13 @@ class RunConfig:
     """grpc: pdserve.v1.Generation at address; openai: POST http://address/v1/completions (openai_client.py)."""
     model_name: str = ""
     """The "model" field of OpenAI requests."""
+    auth: ClientAuth = field(default_factory=ClientAuth)
+    """TLS and API key of a secured router (grpc)."""
 
 
-async def fetch_model_info(address: str, timeout_s: float = 30.0) -> pb.ModelInfo:
+async def fetch_model_info(address: str, timeout_s: float = 30.0, auth: ClientAuth | None = None) -> pb.ModelInfo:
     """GetModelInfo, waiting up to timeout_s for the router."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with (auth or ClientAuth()).aio_channel(address) as channel:
         await asyncio.wait_for(channel.channel_ready(), timeout_s)
         return await pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest())
 
@@ -111,7 +114,7 @@ async def send_one(
 @contextlib.asynccontextmanager
 async def grpc_sender(config: RunConfig) -> AsyncIterator[Sender]:
     """send_one over one channel, once it is connected."""
-    async with grpc.aio.insecure_channel(config.address) as channel:
+    async with config.auth.aio_channel(config.address) as channel:
         await asyncio.wait_for(channel.channel_ready(), config.ready_timeout_s)
         yield functools.partial(send_one, pb_grpc.GenerationStub(channel), config)
 
