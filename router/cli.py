@@ -18,7 +18,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model folder (config.json, tokenizer.json, chat template)")
     p.add_argument("--run-dir", required=True, help="the cluster's run directory (ipc sockets)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
-    p.add_argument("--bind", default="127.0.0.1", help="gRPC host to listen on")
+    p.add_argument("--bind", default="127.0.0.1", help="gRPC and HTTP host to listen on")
+    p.add_argument(
+        "--http-port", type=int, default=None,
+        help="OpenAI-compatible HTTP port (default: --port + 1, or a free one with --port 0; -1: no HTTP)",
+    )  # fmt: skip
     p.add_argument("--prefill", type=int, default=1, help="number of prefill workers (0: colocated decode workers)")
     p.add_argument("--decode", type=int, default=1, help="number of decode workers")
     p.add_argument("--heartbeat-timeout", type=float, default=2.0, help="seconds of silence before a worker is down")
@@ -109,4 +113,13 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         metrics_port=args.metrics_port,
         busy_poll_s=max(args.busy_poll_ms, 0.0) / 1e3,
         security=security_from_args(args),
+        http_port=http_port(args.port, args.http_port),
     )
+
+
+def http_port(grpc_port: int, flag: int | None) -> int | None:
+    """The HTTP port of --http-port: as given; unset, the gRPC port + 1 (0, any free port, for --port 0); None
+    for a negative one (no HTTP)."""
+    if flag is None:
+        return grpc_port + 1 if grpc_port else 0
+    return None if flag < 0 else flag

@@ -8,6 +8,8 @@ from typing import Literal
 from pdserve.router.auth import EdgeSecurity
 
 Routing = Literal["prefix", "round_robin"]
+HTTP_READY = " (HTTP {url})"
+"""Follows the router's ready line (core/lifecycle.py READY_LINE) when it serves HTTP: the launcher reads the URL."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class RouterConfig:
     fails UNAVAILABLE instead."""
     security: EdgeSecurity = field(default_factory=EdgeSecurity)
     """TLS and API keys of the gRPC port (router/auth.py); default: plaintext, no keys."""
+    http_port: int | None = None
+    """OpenAI-compatible HTTP API (router/http_api.py) on bind:http_port, with the gRPC port's TLS and API keys;
+    0 picks a free one (the ready line names it); None: no HTTP."""
 
     @property
     def colocated(self) -> bool:

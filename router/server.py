@@ -1,5 +1,6 @@
 """The router's gRPC server: pdserve.v1.Generation, plus grpc.health.v1 (SERVING while at least one prefill
-and one decode worker are up) and server reflection."""
+and one decode worker are up) and server reflection; beside it, on its own port in the same event loop, the
+OpenAI-compatible HTTP API (router/http_api.py). Both are codecs over one request path (router/request_path.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from pdserve.core.messages import MAX_MESSAGE_BYTES
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.router import auth
-from pdserve.router.config import RouterConfig
+from pdserve.router.config import HTTP_READY, RouterConfig
+from pdserve.router.http_api import HttpServer, OpenAiApi
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model_info import ModelSpec
 from pdserve.router.outcome import CURRENT_CALL, CallAccounting
@@ -99,6 +101,8 @@ class RouterServer:
         self._health_tasks: set[asyncio.Task[None]] = set()
         self.hub.listeners.append(self._set_health)
         self.port = 0
+        self.http = None if cfg.http_port is None else self._http_server(cfg)
+        self.http_port = 0
 
     async def start(self) -> int:
         """Listen (port 0 picks one) and start talking to the workers; the port."""
@@ -108,6 +112,9 @@ class RouterServer:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if self.http is not None:
+            assert self.cfg.http_port is not None
+            self.http_port = await self.http.start(self.cfg.bind, self.cfg.http_port)
         self.hub.start()
         if self.cfg.metrics_port is not None:
             port = self.metrics.serve(self.cfg.metrics_port, Path(self.cfg.run_dir) / "metrics" / "router.port")
@@ -120,6 +127,19 @@ class RouterServer:
         """host:port actually listened on."""
         return dataclasses.replace(self.cfg, port=self.port).address
 
+    @property
+    def http_url(self) -> str | None:
+        """The HTTP API's base URL (scheme://host:port), None without HTTP."""
+        if self.http is None:
+            return None
+        scheme = "https" if self.cfg.security.tls else "http"
+        return f"{scheme}://{dataclasses.replace(self.cfg, port=self.http_port).address}"
+
+    def _http_server(self, cfg: RouterConfig) -> HttpServer:
+        check = cfg.security.bearer_ok if cfg.security.api_keys else None
+        api = OpenAiApi(self.path, self.hub.serving, check)
+        return HttpServer(api.app(), cfg.grace_s, auth.uvicorn_tls(cfg.security))
+
     async def wait_ready(self) -> None:
         """Until every configured prefill and decode worker has sent a heartbeat."""
         await self.hub.serving.wait()
@@ -130,7 +150,7 @@ class RouterServer:
     async def stop(self, grace: float | None = None) -> None:
         """Refuse new calls, let streams in flight finish within `grace` seconds, then close the sockets."""
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
+        await asyncio.gather(self.server.stop(grace), *([] if self.http is None else [self.http.stop()]))
         await self.hub.close()
         log.info("garbage collector: %s", self.gc_pauses.summary())
         self.gc_pauses.close()
@@ -167,4 +187,5 @@ async def serve(cfg: RouterConfig) -> None:
 
 async def _announce(router: RouterServer) -> None:
     await router.wait_ready()
-    print(READY_LINE.format(address=router.address), flush=True)
+    url = router.http_url
+    print(READY_LINE.format(address=router.address) + ("" if url is None else HTTP_READY.format(url=url)), flush=True)

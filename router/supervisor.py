@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from pdserve.core.lifecycle import READY_MARK, RESTARTS_ENV, STARTUP_ERROR_EXIT
+from pdserve.router.config import HTTP_READY
 from pdserve.router.placement import Mps
 
 STOP_MARGIN_S = 5.0
@@ -145,6 +146,8 @@ class Supervisor:
         self.stopping = False
         self.ready = False
         """Whether the cluster served once (the router's ready line; without a router, every worker ready)."""
+        self.http_url: str | None = None
+        """The router's OpenAI-compatible HTTP API, from its ready line (status.json lists it)."""
         self.failure: str | None = None
         for child in children:
             child.backoff = policy.first_backoff_s
@@ -230,8 +233,11 @@ class Supervisor:
         router = next((c for c in self.children if c.name == "router"), None)
         if router is not None and router.ready:
             self.ready = True
-            served = _served_address(router.log_text_since_start()) or address  # NOTE: --port 0 picks a free port
-            print(f"pdserve cluster ready on {served} (run dir {self.run_dir})", flush=True)
+            log_text = router.log_text_since_start()
+            served = _served_address(log_text) or address  # NOTE: --port 0 picks a free port
+            self.http_url = _served_http_url(log_text)
+            http = "" if self.http_url is None else f", OpenAI-compatible HTTP on {self.http_url}"
+            print(f"pdserve cluster ready on {served} (run dir {self.run_dir}){http}", flush=True)
         elif router is None and all(c.ready for c in self.children):  # NOTE: a host of workers only (--roles)
             self.ready = True
             names = ", ".join(c.name for c in self.children)
@@ -264,7 +270,8 @@ class Supervisor:
             return None
 
     def _write_status(self) -> None:
-        status = {"pid": os.getpid(), "ready": self.ready, "roles": [c.status() for c in self.children]}
+        status = {"pid": os.getpid(), "ready": self.ready, "http_url": self.http_url,
+                  "roles": [c.status() for c in self.children]}  # fmt: skip
         tmp = self.run_dir / "status.json.tmp"
         tmp.write_text(json.dumps(status, indent=1))
         tmp.replace(self.run_dir / "status.json")
@@ -319,7 +326,17 @@ def end_group(proc: subprocess.Popen[bytes]) -> int:
 
 def _served_address(router_log: str) -> str | None:
     """The address in the router's ready line (core/lifecycle.py READY_LINE), None before it."""
-    for line in router_log.splitlines():
-        if line.startswith(READY_MARK):
-            return line[len(READY_MARK) :].strip() or None
-    return None
+    line = _ready_line(router_log)
+    words = [] if line is None else line[len(READY_MARK) :].split()
+    return words[0] if words else None
+
+
+def _served_http_url(router_log: str) -> str | None:
+    """The HTTP API's base URL the router's ready line names (router/config.py HTTP_READY), None without."""
+    line = _ready_line(router_log)
+    _, mark, url = (line or "").partition(HTTP_READY.split("{url}")[0])
+    return url.removesuffix(HTTP_READY.split("{url}")[1]) if mark else None
+
+
+def _ready_line(router_log: str) -> str | None:
+    return next((line.rstrip() for line in router_log.splitlines() if line.startswith(READY_MARK)), None)

@@ -387,8 +387,8 @@ def test_router_process_prints_ready_line_serves_and_stops_on_sigterm(
                 fake.heartbeating = True
                 fake.start()
             line = (await asyncio.wait_for(proc.stdout.readline(), 10.0)).decode()
-            assert line.startswith("pdserve router ready on 127.0.0.1:")
-            address = line.split()[-1]
+            assert line.startswith("pdserve router ready on 127.0.0.1:") and " (HTTP http://127.0.0.1:" in line
+            address = line.split()[4]
             async with grpc.aio.insecure_channel(address) as channel:
                 got = [
                     r async for r in pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(text="how are you"))
