@@ -34,8 +34,9 @@ class Cluster:
         self.run_dir = run_dir
         argv = [sys.executable, "-m", "pdserve.router.cluster_cli", "--model", str(model)]
         argv += ["--prefill", str(prefill), "--decode", str(decode), "--port", str(self.port)]
-        # NOTE: metrics on free ports (RUN_DIR/metrics/*.port): clusters of parallel runs must not collide
-        argv += ["--run-dir", str(run_dir), "--device", device, "--metrics-port", "0", *extra]
+        # NOTE: metrics and HTTP on free ports (RUN_DIR/metrics/*.port, the ready line): clusters of parallel runs
+        # must not collide
+        argv += ["--run-dir", str(run_dir), "--device", device, "--metrics-port", "0", "--http-port", "0", *extra]
         self.output: list[str] = []
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         threading.Thread(target=self._drain, daemon=True).start()
@@ -54,6 +55,13 @@ class Cluster:
                 break
             time.sleep(0.1)
         raise RuntimeError(f"cluster not ready: {''.join(self.output)}\n{self.logs()}")
+
+    @property
+    def http_url(self) -> str:
+        """The OpenAI-compatible HTTP API's base URL, from the ready line."""
+        mark = "OpenAI-compatible HTTP on "
+        line = next(line for line in self.output if "pdserve cluster ready on" in line and mark in line)
+        return line.split(mark, 1)[1].split()[0]
 
     def logs(self) -> str:
         out = []
