@@ -199,8 +199,7 @@ class HttpServer:
 
     async def start(self, bind: str, port: int) -> int:
         """Listen on bind:port (0 picks a free one); the port. OSError when it cannot."""
-        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-        sock = socket.create_server((bind, port), family=family)
+        sock = listening_socket(bind, port)
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
         while not self.server.started:
             if self.task.done():
@@ -214,6 +213,26 @@ class HttpServer:
         if self.task is not None:
             self.server.should_exit = True
             await self.task
+
+
+LISTEN_BACKLOG = 2048
+"""Connections the kernel queues before uvicorn accepts them (uvicorn's own default)."""
+
+
+def listening_socket(bind: str, port: int) -> socket.socket:
+    """A TCP listener on bind:port (0 picks a free one). NOTE: made with proto IPPROTO_TCP: asyncio sets
+    TCP_NODELAY only on connections of such a socket (socket.create_server's proto 0 leaves Nagle on, and a
+    response's headers then hold its first SSE chunk back until the client's delayed ACK, ~40 ms)."""
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bind, port))
+        sock.listen(LISTEN_BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class EmbeddedServer(uvicorn.Server):

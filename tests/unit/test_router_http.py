@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -345,3 +346,27 @@ def test_no_http_port_serves_no_http(smollm2_dir: Path, run_dir: Path) -> None:
             assert h.router.http is None and h.router.http_url is None
 
     asyncio.run(body())
+
+
+def test_http_connections_are_accepted_with_nagle_off() -> None:
+    """The listener is an IPPROTO_TCP socket, so asyncio sets TCP_NODELAY on each accepted connection (with Nagle
+    on, a stream's first SSE chunk waits behind its headers for the client's delayed ACK)."""
+    from pdserve.router.http_api import listening_socket
+
+    async def accepted_nodelay() -> int:
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=listening_socket("127.0.0.1", 0))
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            return await asyncio.wait_for(seen, 5.0)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) == 1
