@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API of a real CPU cluster (tiny Llama, 1 prefill + 1 decode worker), driven by the
-official `openai` client: completions and chat, streamed and not, give the same greedy tokens as gRPC; a client
-that disconnects mid-stream has every KV block back within 1 s."""
+official `openai` client: completions and chat, streamed and not, give the same greedy tokens as gRPC and logprobs
+equal to transformers fp32 within 1e-4; a client that disconnects mid-stream has every KV block back within 1 s."""
 
 from __future__ import annotations
 
@@ -8,17 +8,22 @@ import asyncio
 import json
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import openai
 import pytest
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from tests.e2e.cluster import Cluster, running
 from tests.e2e.test_cluster import stream, wait_blocks_returned
+from tests.hf_reference import hf_greedy, random_prompts
+from tests.logprobs_reference import TOLERANCE, ReferenceLogprobs, hf_logprobs
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
@@ -105,3 +110,100 @@ def test_bad_request_is_an_openai_400(cluster: Cluster) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client(cluster).completions.create(model="tiny-llama", prompt="x", max_tokens=0)
     assert err.value.status_code == 400 and err.value.param == "max_tokens"
+
+
+TOP = 5
+
+
+class Expected:
+    """transformers' greedy tokens of one prompt and their fp32 logprobs, with the strings the API names them by."""
+
+    def __init__(self, model_dir: Path, prompt: list[int]) -> None:
+        (self.generated,) = hf_greedy(model_dir, [prompt], NEW_TOKENS)
+        self.ref: ReferenceLogprobs = hf_logprobs(model_dir, prompt, self.generated, TOP)
+        self.text = token_texts(str(model_dir))
+        self.tokens = [self.text(t) for t in self.generated]
+
+    def check_chosen(self, tokens: Sequence[str], logprobs: Sequence[float]) -> None:
+        assert list(tokens) == self.tokens
+        assert_close(logprobs, self.ref.chosen, "chosen tokens")
+
+    def completion_tops(self) -> list[dict[str, float]]:
+        """OpenAI completions' top_logprobs: token string -> logprob, the top 5 in rank order then the chosen token
+        (a later entry replaces an earlier one of the same string, as the server's dict does)."""
+        tops = []
+        for ids, values, token, chosen in zip(self.ref.top_ids, self.ref.top_logprobs, self.tokens, self.ref.chosen,
+                                              strict=True):  # fmt: skip
+            top = {self.text(i): v for i, v in zip(ids, values, strict=True)}
+            top[token] = chosen
+            tops.append(top)
+        return tops
+
+
+@lru_cache(maxsize=2)
+def token_texts(model_dir: str) -> Callable[[int], str]:
+    """One token id -> its text as the model's tokenizer writes it alone (several byte tokens write '\ufffd')."""
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    return lambda token_id: str(tokenizer.decode([token_id], skip_special_tokens=False))
+
+
+def assert_close(got: Sequence[float], want: Sequence[float], what: str) -> None:
+    assert len(got) == len(want), f"{what}: {len(got)} values vs {len(want)}"
+    worst = max((abs(g - w) for g, w in zip(got, want, strict=True)), default=0.0)
+    assert worst <= TOLERANCE, f"{what}: {list(got)} vs {list(want)}"
+
+
+def check_completion_logprobs(expected: Expected, logprobs: Mapping[str, list[Any]]) -> None:
+    """tokens, token_logprobs, top_logprobs and text_offset of a whole completion or its chunks joined."""
+    expected.check_chosen(logprobs["tokens"], logprobs["token_logprobs"])
+    for i, (got, want) in enumerate(zip(logprobs["top_logprobs"], expected.completion_tops(), strict=True)):
+        assert got.keys() == want.keys(), f"token {i}"
+        assert_close([got[k] for k in want], list(want.values()), f"token {i}: top logprobs")
+    lengths = [len(t) for t in logprobs["tokens"]]
+    assert logprobs["text_offset"] == [sum(lengths[:i]) for i in range(len(lengths))]
+
+
+def check_chat_logprobs(expected: Expected, content: Sequence[Any]) -> None:
+    """Chat's logprobs.content: the chosen token and its logprob, the top 5's logprobs in rank order and their
+    strings (as a multiset: ids that write the same string, or near ties, cannot make it flaky)."""
+    expected.check_chosen([e.token for e in content], [e.logprob for e in content])
+    for i, (entry, ids, values) in enumerate(zip(content, expected.ref.top_ids, expected.ref.top_logprobs,
+                                                 strict=True)):  # fmt: skip
+        assert entry.bytes == list(entry.token.encode())
+        assert_close([t.logprob for t in entry.top_logprobs], values, f"token {i}: top logprobs")
+        assert sorted(t.token for t in entry.top_logprobs) == sorted(expected.text(t) for t in ids), f"token {i}"
+
+
+def joined_completion_logprobs(chunks: Sequence[Any]) -> dict[str, list[Any]]:
+    joined: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in chunks:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            for name, values in joined.items():
+                values.extend(getattr(chunk.choices[0].logprobs, name))
+    return joined
+
+
+def test_completion_logprobs_match_hf_whole_and_streamed(cluster: Cluster, tiny_llama_dir: Path) -> None:
+    sdk = client(cluster)
+    (prompt,) = random_prompts(1024, (29,), seed=81)
+    expected = Expected(tiny_llama_dir, prompt)
+    whole = sdk.completions.create(model="tiny-llama", prompt=prompt, logprobs=TOP, **GREEDY)
+    check_completion_logprobs(expected, whole.choices[0].logprobs.model_dump())
+    chunks = list(sdk.completions.create(model="tiny-llama", prompt=prompt, logprobs=TOP, stream=True, **GREEDY))
+    check_completion_logprobs(expected, joined_completion_logprobs(chunks))
+
+
+def test_chat_logprobs_match_hf_whole_and_streamed(cluster: Cluster, tiny_llama_dir: Path) -> None:
+    sdk = client(cluster)
+    hf_tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    rendered = hf_tokenizer.apply_chat_template(
+        MESSAGES, chat_template=CHAT_TEMPLATE, add_generation_prompt=True, tokenize=False
+    )
+    prompt = hf_tokenizer.encode(rendered, add_special_tokens=False)
+    expected = Expected(tiny_llama_dir, prompt)
+    asked = {"logprobs": True, "top_logprobs": TOP, **GREEDY}
+    whole = sdk.chat.completions.create(model="tiny-llama", messages=MESSAGES, **asked)
+    assert whole.usage.prompt_tokens == len(prompt)
+    check_chat_logprobs(expected, whole.choices[0].logprobs.content)
+    chunks = list(sdk.chat.completions.create(model="tiny-llama", messages=MESSAGES, stream=True, **asked))
+    check_chat_logprobs(expected, [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content])
