@@ -1,5 +1,6 @@
 """Security at the router's edge (router/auth.py): API keys, TLS with and without client certificates, the
-refusal to listen beyond loopback unauthenticated; through the real router with fake workers."""
+refusal to listen beyond loopback unauthenticated; through the real router with fake workers, over gRPC and the
+OpenAI-compatible HTTPS API."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import ssl
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -35,6 +39,7 @@ from tests.router_fakes import Script, router_with_fakes
 from tests.tls_certs import TlsFiles, make_tls_files
 
 KEY = "k-0123456789abcdef"
+MODEL = "SmolLM2-135M-Instruct"
 REQUEST = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling=pb.SamplingParams(max_tokens=3))
 
 
@@ -176,6 +181,68 @@ def test_a_client_ca_requires_client_certificates(smollm2_dir: Path, run_dir: Pa
             assert await _generate(ClientAuth(ca), address) == grpc.StatusCode.UNAVAILABLE
             with_cert = ClientAuth(ca, str(tls.client_cert), str(tls.client_key))
             assert await _generate(with_cert, address) == grpc.StatusCode.OK
+
+    asyncio.run(body())
+
+
+def _https_context(tls: TlsFiles, with_cert: bool = False) -> ssl.SSLContext:
+    """A client context that trusts the test CA, presenting the client certificate when with_cert."""
+    context = ssl.create_default_context(cafile=str(tls.ca))
+    if with_cert:
+        context.load_cert_chain(str(tls.client_cert), str(tls.client_key))
+    return context
+
+
+def _sdk(url: str, context: ssl.SSLContext, api_key: str) -> Any:
+    """An AsyncOpenAI client of the router's HTTPS API (Any: the SDK's request types list OpenAI's models only)."""
+    http = openai.DefaultAsyncHttpxClient(verify=context)
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, http_client=http)
+
+
+async def _post(url: str, context: ssl.SSLContext | None, body: dict[str, Any]) -> tuple[int, Any]:
+    """One POST without an Authorization header; the status and the JSON body."""
+    async with aiohttp.ClientSession() as session, session.post(url, json=body, ssl=context or False) as reply:
+        return reply.status, await reply.json()
+
+
+def test_https_and_api_key_no_key_wrong_key_right_key(smollm2_dir: Path, run_dir: Path, tls: TlsFiles) -> None:
+    sec = EdgeSecurity(str(tls.server_cert), str(tls.server_key), api_keys=(KEY,))
+    request = {"model": MODEL, "prompt": "x", "max_tokens": 3}
+
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script([7, 8, 9]), http_port=0, security=sec) as h:
+            url = str(h.router.http_url)
+            assert url.startswith("https://")
+            context = _https_context(tls)
+            status, err = await _post(url + "/v1/completions", context, request)
+            assert status == 401 and err["error"]["code"] == "invalid_api_key"
+            assert err["error"]["type"] == "invalid_request_error"
+            with pytest.raises(openai.AuthenticationError) as denied:
+                await _sdk(url, context, "wrong").completions.create(**request)
+            assert denied.value.status_code == 401 and denied.value.code == "invalid_api_key"
+            got = await _sdk(url, context, KEY).completions.create(**request)
+            assert got.usage.completion_tokens == 3 and got.choices[0].finish_reason == "length"
+            with pytest.raises(aiohttp.ClientError):  # NOTE: plaintext to the TLS port
+                await _post(url.replace("https://", "http://") + "/v1/completions", None, request)
+
+    asyncio.run(body())
+
+
+def test_https_with_a_client_ca_refuses_clients_without_a_certificate(
+    smollm2_dir: Path, run_dir: Path, tls: TlsFiles
+) -> None:
+    sec = EdgeSecurity(str(tls.server_cert), str(tls.server_key), str(tls.ca))
+    request = {"model": MODEL, "prompt": "x", "max_tokens": 3}
+
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script([7, 8, 9]), http_port=0, security=sec) as h:
+            url = str(h.router.http_url)
+            with pytest.raises(aiohttp.ClientError):
+                await _post(url + "/v1/completions", _https_context(tls), request)
+            with pytest.raises(openai.APIConnectionError):
+                await _sdk(url, _https_context(tls), "none").completions.create(**request)
+            got = await _sdk(url, _https_context(tls, with_cert=True), "none").completions.create(**request)
+            assert got.usage.completion_tokens == 3
 
     asyncio.run(body())
 
