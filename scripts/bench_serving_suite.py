@@ -12,6 +12,7 @@ Parts (each fits one ~10-minute device call):
   prefix cache for the shared-prefix rates.
 - colocated: one worker doing prefill (chunked) and decode: interference and the random load.
 - transformers: the random load through transformers `generate` in static batches.
+- frontdoor (issue 35): the cluster at 64 and 256 concurrent streams through the gRPC and the HTTP door.
 - routing (issue 6): 2 prefill workers + 1 decode worker, prefix-aware routing vs round-robin: a shared-prefix
   load whose prefixes fit one worker's KV pool only in part (cache-hit token ratio, TTFT), and a burst of 32
   requests with the same token ids, half sent as text (prefill forward passes, TTFT).
@@ -37,6 +38,8 @@ from pdserve.router.benchmark import cli as bench
 ROOT = Path(__file__).resolve().parents[1]
 
 PORT = 50071
+HTTP_PORT = PORT + 1
+"""The router's OpenAI-compatible HTTP door (its default: --port + 1)."""
 DEVICE = "cuda"
 WORKER_FLAGS = ["--dtype", "bfloat16", "--load-format", "dummy", "--max-num-seqs", "128"]
 COLOCATED_FLAGS = ["--colocated", "--max-num-batched-tokens", "2048", "--prefill-chunk-size", "2048"]
@@ -105,7 +108,8 @@ def run_bench(cluster: Cluster, out: Path, name: str, args: list[str]) -> dict[s
     """One pdserve-bench-serving run against the cluster on PORT; its JSON report, with the decode worker's
     step intervals during the run added (`worker_step_ms`: the ITL at the engine, bucket upper bounds)."""
     path = out / f"{name}.json"
-    argv = ["--address", f"127.0.0.1:{PORT}", "--no-progress", "--save-detailed", "--result-json", str(path), *args]
+    port = HTTP_PORT if "openai" in args else PORT
+    argv = ["--address", f"127.0.0.1:{port}", "--no-progress", "--save-detailed", "--result-json", str(path), *args]
     started, before = time.monotonic(), cluster.decode_counters()
     forwards, compiles = prefill_forwards(cluster), jit_compiles(cluster)
     code = bench.main(argv)
@@ -260,6 +264,22 @@ def part_throughput(model: Path, out: Path) -> None:
     with_cluster(model, out, "colocated", [*WORKER_FLAGS, *COLOCATED_FLAGS], [("burst-colocated", burst)])
 
 
+FRONT_DOOR_STREAMS = (64, 256)
+
+
+def part_frontdoor(model: Path, out: Path) -> None:
+    """Issue 35: the 1B cluster at 64 and 256 concurrent streams (closed loop, 128 in / 256 out) through the gRPC
+    and the HTTP door: output tok/s and TTFT, beside the decode worker's step time during the run (its own step
+    rate allows streams / step time tokens per second)."""
+    runs = []
+    for n in FRONT_DOOR_STREAMS:
+        load = ["--dataset", "random", "--num-prompts", str(2 * n), "--input-len", "128", "--output-len", "256"]
+        load += ["--request-rate", "inf", "--max-concurrency", str(n), "--client-processes", "4"]
+        http = [*load, "--backend", "openai", "--model-dir", str(model)]
+        runs += [(f"frontdoor-grpc-{n}", load), (f"frontdoor-openai-{n}", http)]
+    with_cluster(model, out, "frontdoor", [*WORKER_FLAGS, "--max-num-seqs", "256"], runs)
+
+
 def part_colocated(model: Path, out: Path) -> None:
     runs = [
         ("interference-colocated", WITH_LONG),
@@ -341,6 +361,7 @@ def main() -> int:
         "conditional",
         "two_gpus",
         "exact",
+        "frontdoor",
     ]
     names.append("summarize")
     p.add_argument("--part", choices=names, required=True)
@@ -369,6 +390,7 @@ def main() -> int:
         "conditional": part_conditional,
         "two_gpus": part_two_gpus,
         "exact": part_exact,
+        "frontdoor": part_frontdoor,
     }
     parts[args.part](model, out)
     return 0
