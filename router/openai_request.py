@@ -20,7 +20,7 @@ Kind = Literal["completion", "chat"]
 INT32 = (-(2**31), 2**31)
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "min_tokens",
                    "ignore_eos")  # fmt: skip
-COMMON_FIELDS = frozenset({*SAMPLING_FIELDS, "model", "user", "n", "stream", "stream_options"})
+COMMON_FIELDS = frozenset({*SAMPLING_FIELDS, "model", "user", "n", "stream", "stream_options", "return_token_ids"})
 FIELDS: dict[Kind, frozenset[str]] = {
     "completion": COMMON_FIELDS | {"prompt", "logprobs"},
     "chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "parallel_tool_calls"},
@@ -52,6 +52,8 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     """stream_options.include_usage: a last chunk with the usage and no choices."""
+    return_token_ids: bool = False
+    """vLLM's extension: every choice also carries its `token_ids` (a chunk per response, even without text)."""
 
 
 def parse_request(kind: Kind, body: bytes, model_name: str, request_id: str) -> ApiRequest:
@@ -79,7 +81,8 @@ def parse_request(kind: Kind, body: bytes, model_name: str, request_id: str) -> 
     else:
         _prompt(fields.get("prompt"), request)
     _str("user", fields.get("user", ""))
-    return ApiRequest(kind, request, stream, include_usage)
+    return_ids = _bool("return_token_ids", fields.get("return_token_ids", False))
+    return ApiRequest(kind, request, stream, include_usage, return_ids)
 
 
 def _check_fields(kind: Kind, fields: Mapping[str, Any]) -> None:

@@ -79,7 +79,8 @@ class ResponseRenderer:
         """The stream chunks of one response: none when it changes nothing the client sees; the usage chunk
         after the last one when the client asked for it."""
         out = []
-        if response.text or response.finish_reason or (self.logprobs and response.logprobs):
+        shown = response.token_ids if self.api.return_token_ids else response.text
+        if shown or response.finish_reason or (self.logprobs and response.logprobs):
             out.append(self._chunk([self._choice(response)]))
         if response.finish_reason and self.api.include_usage:
             out.append(self._chunk([], usage(response.usage)))
@@ -99,6 +100,8 @@ class ResponseRenderer:
         else:
             choice["text"] = r.text
         choice["logprobs"] = self._logprobs(r) if self.logprobs else None
+        if self.api.return_token_ids:
+            choice["token_ids"] = list(r.token_ids)
         choice["finish_reason"] = FINISH_REASONS.get(r.finish_reason)
         return choice
 

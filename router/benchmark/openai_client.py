@@ -45,6 +45,7 @@ def completion_body(spec: RequestSpec, config: RunConfig) -> dict[str, Any]:
         "ignore_eos": config.ignore_eos,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,  # NOTE: vLLM's extension: exact counts, and tokens with no text still count
     }
 
 

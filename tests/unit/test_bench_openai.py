@@ -108,7 +108,7 @@ def test_request_is_a_streamed_completion_of_token_ids_with_usage_and_ignore_eos
     assert fake.bodies == [
         {
             "model": "tiny", "prompt": [10, 11, 12, 13, 14], "max_tokens": 3, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True},
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
         }
     ]  # fmt: skip
 

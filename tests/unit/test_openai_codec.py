@@ -103,3 +103,23 @@ def test_whole_chat_is_a_message(tokenizer: RouterTokenizer) -> None:
     (choice,) = renderer.whole(responses(tokenizer))["choices"]
     assert choice == {"index": 0, "message": {"role": "assistant", "content": " Hello world"}, "logprobs": None,
                       "finish_reason": "stop"}  # fmt: skip
+
+
+def test_return_token_ids_puts_ids_in_every_choice_and_streams_tokens_that_have_no_text(
+    tokenizer: RouterTokenizer,
+) -> None:
+    """vLLM's return_token_ids: a response whose tokens have no text yet (a partial UTF-8 character, an id past
+    the tokenizer's) is still a chunk, so a client counts every token; without it such a response sends nothing."""
+    silent = pb.GenerateResponse(token_ids=[7, 8], text="", request_id="id-1")
+    plain = ResponseRenderer(parse("completion", prompt="x", stream=True), MODEL, tokenizer, 7)
+    assert plain.chunks(silent) == []
+    api = parse("completion", prompt="x", stream=True, return_token_ids=True)
+    assert api.return_token_ids
+    ids = ResponseRenderer(api, MODEL, tokenizer, 7)
+    ((choice,),) = [c["choices"] for c in ids.chunks(silent)]
+    assert (choice["text"], choice["token_ids"]) == ("", [7, 8])
+    chat = ResponseRenderer(parse("chat", messages=[{"role": "user", "content": "x"}], return_token_ids=True), MODEL,
+                            tokenizer, 7)  # fmt: skip
+    (whole,) = chat.whole(responses(tokenizer))["choices"]
+    assert whole["token_ids"] == [t for r in responses(tokenizer) for t in r.token_ids]
+    assert whole["message"]["content"] == " Hello world"
