@@ -277,7 +277,8 @@ def part_frontdoor(model: Path, out: Path) -> None:
         load += ["--request-rate", "inf", "--max-concurrency", str(n), "--client-processes", "4"]
         http = [*load, "--backend", "openai", "--model-dir", str(model)]
         runs += [(f"frontdoor-grpc-{n}", load), (f"frontdoor-openai-{n}", http)]
-    with_cluster(model, out, "frontdoor", [*WORKER_FLAGS, "--max-num-seqs", "256"], runs)
+    # NOTE: a fixed pool: two workers sizing theirs from free memory at once once left decode graph capture OOM
+    with_cluster(model, out, "frontdoor", [*WORKER_FLAGS, "--max-num-seqs", "256", "--num-blocks", "16384"], runs)
 
 
 def part_colocated(model: Path, out: Path) -> None:
