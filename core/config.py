@@ -14,7 +14,7 @@ from pdserve.core.parallel import ParallelConfig, kv_head_range
 Arch = Literal["llama", "gpt2"]
 LoadFormat = Literal["auto", "dummy"]
 
-_LLAMA_TYPES = {"llama", "mistral", "qwen2"}
+_LLAMA_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

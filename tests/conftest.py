@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.core.model_store import ModelAssetMissingError, prepare_default_model
-from tests.models import make_tiny_gpt2, make_tiny_llama
+from tests.models import make_tiny, make_tiny_gpt2, make_tiny_llama
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +20,24 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random GPT-2 folder (seed 0): 3 layers, real GPT-2 vocab and tokenizer."""
     return make_tiny_gpt2(tmp_path_factory.mktemp("tiny_gpt2"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3 folder (seed 0): 2 layers, q/k norms, head_dim 32 (not hidden / heads), vocab 1024."""
+    return make_tiny("qwen3", tmp_path_factory.mktemp("tiny_qwen3"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3-MoE folder (seed 0): 3 layers (the middle one dense), 4 experts top 2, vocab 1024."""
+    return make_tiny("qwen3_moe", tmp_path_factory.mktemp("tiny_qwen3_moe"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Mixtral folder (seed 0): 2 layers, 4 experts top 2, vocab 1024."""
+    return make_tiny("mixtral", tmp_path_factory.mktemp("tiny_mixtral"), seed=0)
 
 
 @pytest.fixture(scope="session")

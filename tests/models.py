@@ -8,6 +8,7 @@ the greedy continuation varies with context instead of repeating one token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,41 @@ def make_tiny_llama(model_dir: Path, seed: int = 0, **config_overrides: Any) -> 
     return _save(model, model_dir, tokenizer_vocab_size=TINY_LLAMA_VOCAB_SIZE)
 
 
+TINY_QWEN3_LIKE: dict[str, Any] = {
+    "vocab_size": TINY_LLAMA_VOCAB_SIZE,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "bos_token_id": TINY_LLAMA_EOS_ID,
+    "eos_token_id": TINY_LLAMA_EOS_ID,
+}
+TINY_FAMILIES: dict[str, dict[str, Any]] = {
+    # head_dim 32 != hidden / heads (16): Qwen3 sets it explicitly
+    "qwen3": {**TINY_QWEN3_LIKE, "intermediate_size": 128, "head_dim": 32},
+    # 4 experts, top 2, renormalized; layer 1 is dense (mlp_only_layers) to cover the mixed stack
+    "qwen3_moe": {
+        **TINY_QWEN3_LIKE, "num_hidden_layers": 3, "head_dim": 32, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+        "mlp_only_layers": [1],
+    },
+    "mixtral": {**TINY_QWEN3_LIKE, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
+}  # fmt: skip
+"""Config of each tiny family (transformers' own config and model classes make and save them)."""
+
+
+def make_tiny(family: str, model_dir: Path, seed: int = 0, **config_overrides: Any) -> Path:
+    """Save a tiny random ``family`` model (qwen3 | qwen3_moe | mixtral: 2-3 layers, hidden 64, vocab 1024, MoE
+    with 4 experts top 2) plus the 1024-token tokenizer to ``model_dir``, built by transformers' classes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **{**TINY_FAMILIES[family], **config_overrides})
+    model = _build(AutoModelForCausalLM.from_config, config, seed)
+    return _save(model, model_dir, tokenizer_vocab_size=TINY_LLAMA_VOCAB_SIZE)
+
+
 def make_tiny_gpt2(model_dir: Path, seed: int = 0, **config_overrides: Any) -> Path:
     """Save a 3-layer GPT-2 (n_embd 64, real 50257-token vocab and tokenizer) to ``model_dir``."""
     config_kwargs: dict[str, Any] = {
@@ -77,7 +113,7 @@ def reinit_decisive(model: torch.nn.Module, generator: torch.Generator) -> None:
                 param.copy_(noise * WEIGHT_STD)
 
 
-def _build(model_cls: type[PreTrainedModel], config: Any, seed: int) -> PreTrainedModel:
+def _build(model_cls: Callable[[Any], PreTrainedModel], config: Any, seed: int) -> PreTrainedModel:
     # fork_rng keeps the caller's global RNG state untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -1,7 +1,8 @@
 """Llama family: RMSNorm, rope (llama3/linear/yarn scaling too), GQA, SwiGLU, optional tied embeddings.
 
-Covers Llama 2/3, Mistral, Qwen2 (q/k/v bias) and SmolLM2. Parameter names follow Hugging Face so
-checkpoints load 1:1.
+Covers Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head RMSNorm of q and k before rope, head_dim set
+explicitly) and SmolLM2. Parameter names follow Hugging Face so checkpoints load 1:1. The MoE families
+(core/models/qwen3_moe.py, mixtral.py) reuse these blocks with another feed-forward (core/models/moe.py).
 """
 
 from __future__ import annotations
@@ -50,11 +51,31 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual)
 
 
+QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe"})
+"""Model types whose attention RMS-normalizes each head of q and k before rope."""
+
+
+class HeadNorm(nn.Module):
+    """RMSNorm over head_dim, applied to every head of q or k alike (Qwen3's q_norm / k_norm)."""
+
+    def __init__(self, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, heads, head_dim] -> [n, heads, head_dim] contiguous
+        # NOTE: x is usually a strided view of the qkv GEMM's output; reshape copies it into [n * heads, head_dim]
+        # rows, the layout fused_ops.rms_norm (Triton on CUDA) takes. Both tensors are fresh allocations of a
+        # fixed size per pass, so the pass stays capturable in CUDA graphs.
+        rows = x.reshape(-1, x.shape[-1])  # [n * heads, head_dim]
+        return rms_norm(rows, self.weight, self.eps).view(x.shape)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         hf = cfg.hf_config
-        # NOTE: Llama's attention_bias covers q/k/v/o; Qwen2 always has q/k/v bias and no o bias.
+        # NOTE: Llama's attention_bias covers q/k/v/o; Qwen2 always has q/k/v bias and no o bias (Qwen3 none).
         o_bias = bool(getattr(hf, "attention_bias", False))
         bias = o_bias or hf.model_type == "qwen2"
         tp, d = tp_group(), cfg.head_dim
@@ -67,6 +88,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, o_bias)
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
+        qk_norm = hf.model_type in QK_NORM_TYPES
+        self.q_norm = HeadNorm(d, hf.rms_norm_eps) if qk_norm else None
+        self.k_norm = HeadNorm(d, hf.rms_norm_eps) if qk_norm else None
 
     def forward(
         self,
@@ -90,12 +114,13 @@ class LlamaAttention(nn.Module):
     def _heads(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[n, heads * d] -> [n, heads, d] views (rows strided when they are parts of one GEMM's output)."""
-        return (
-            q.view(-1, self.num_heads, self.head_dim),
-            k.view(-1, self.num_kv_heads, self.head_dim),
-            v.view(-1, self.num_kv_heads, self.head_dim),
-        )
+        """[n, heads * d] -> [n, heads, d] views (rows strided when they are parts of one GEMM's output); with
+        q/k norms, q and k normalized per head (new tensors), before the backend rotates them."""
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
 
 
 class LlamaMLP(nn.Module):

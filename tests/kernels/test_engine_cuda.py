@@ -54,7 +54,7 @@ MODES = {"torch": ("torch", True), "triton-eager": ("triton", True), "triton-gra
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])  # qwen3: q/k head norms before the kernels' rope
 def test_cuda_fp32_greedy_matches_hf_on_gpu(family: str, mode: str, request: pytest.FixtureRequest) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
