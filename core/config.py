@@ -11,10 +11,12 @@ import torch
 
 from pdserve.core.parallel import ParallelConfig, kv_head_range
 
-Arch = Literal["llama", "gpt2"]
+Arch = Literal["llama", "gpt2", "qwen3_moe", "mixtral"]
 LoadFormat = Literal["auto", "dummy"]
 
 _LLAMA_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+_MOE_TYPES: dict[str, Arch] = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+"""Model types built from the llama blocks with a sparse MoE feed-forward (core/models/moe.py)."""
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -49,7 +51,7 @@ class ModelConfig:
     head_dim: int
     """Width of one attention head."""
     intermediate_size: int
-    """MLP width."""
+    """MLP width (Mixtral: each expert's; Qwen3-MoE: the dense layers', its experts' is moe_intermediate_size)."""
     max_model_len: int
     """Longest sequence (prompt + output) the model accepts."""
     eos_token_ids: tuple[int, ...]
@@ -83,8 +85,8 @@ class ModelConfig:
     ) -> ModelConfig:
         """Map a transformers config onto ModelConfig; refuse families core/models does not implement."""
         torch_dtype(dtype)
-        if hf.model_type in _LLAMA_TYPES:
-            arch: Arch = "llama"
+        if hf.model_type in _LLAMA_TYPES or hf.model_type in _MOE_TYPES:
+            arch: Arch = _MOE_TYPES.get(hf.model_type, "llama")
             num_heads, hidden = hf.num_attention_heads, hf.hidden_size
             shape = dict(
                 hidden_size=hidden,
@@ -107,7 +109,8 @@ class ModelConfig:
                 max_model_len=hf.n_positions,
             )
         else:
-            raise ValueError(f"model type {hf.model_type!r} is not supported (llama family or gpt2)")
+            supported = "llama family, qwen3_moe, mixtral or gpt2"
+            raise ValueError(f"model type {hf.model_type!r} is not supported ({supported})")
         name = Path(path).name or str(getattr(hf, "name_or_path", "model"))
         return cls(
             path=str(path),

@@ -201,7 +201,8 @@ class ModelRunner:
         return isinstance(self.backend, TritonAttention)
 
     def _uses_graphs(self) -> bool:
-        return self._uses_triton() and not self.cfg.enforce_eager
+        # NOTE: a model whose forward reads device values on the host (the torch MoE) says capturable = False
+        return self._uses_triton() and not self.cfg.enforce_eager and getattr(self.model, "capturable", True)
 
     def _capture_graphs(self) -> DecodeGraphs:
         sizes = graph_batch_sizes(self.cfg.scheduler.max_num_seqs)

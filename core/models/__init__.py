@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from pdserve.core.config import ModelConfig
-from pdserve.core.models import gpt2, llama
+from pdserve.core.models import gpt2, llama, mixtral, qwen3_moe
 from pdserve.core.models.loading import fill_dummy, iter_safetensors
 from pdserve.kernels.attention import AttentionBackend
 
-_BUILDERS = {"llama": llama.build, "gpt2": gpt2.build}
+_BUILDERS = {"llama": llama.build, "gpt2": gpt2.build, "qwen3_moe": qwen3_moe.build, "mixtral": mixtral.build}
 
 
 def load_model(cfg: ModelConfig, backend: AttentionBackend, device: torch.device | str) -> nn.Module:

@@ -7,7 +7,7 @@ explicitly) and SmolLM2. Parameter names follow Hugging Face so checkpoints load
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -154,12 +154,16 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(gate, up) if self.fused_silu else self.act(gate) * up)
 
 
+FeedForward = Callable[[ModelConfig, int], nn.Module]
+"""(config, layer index) -> that layer's feed-forward: [num_tokens, hidden] -> [num_tokens, hidden]."""
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, mlp: nn.Module) -> None:
         super().__init__()
         eps = cfg.hf_config.rms_norm_eps
         self.self_attn = LlamaAttention(cfg, backend)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
@@ -187,20 +191,26 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, feed_forward: FeedForward) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, backend, feed_forward(cfg, i)) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.hf_config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Implements core.models.base.CausalLM."""
+    """Implements core.models.base.CausalLM. Families built from the same blocks subclass it and override
+    feed_forward (their MLP or MoE block per layer) and checkpoint_name (their checkpoint's names)."""
+
+    capturable = True
+    """The forward reads no device value on the host, so CUDA graphs can capture it."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.model = LlamaModel(cfg, backend)
+        self.model = LlamaModel(cfg, backend, self.feed_forward)
         self.tied = bool(getattr(cfg.hf_config, "tie_word_embeddings", False))
         self.lm_head = self.model.embed_tokens if self.tied else VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
 
@@ -223,13 +233,19 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def rename(name: str) -> str | None:
-            if "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight"):
-                return None
-            return name
+    @staticmethod
+    def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
+        """Layer `layer`'s feed-forward: the SwiGLU MLP in every layer."""
+        return LlamaMLP(cfg)
 
-        return copy_weights(self, ((rename(n), t) for n, t in weights))
+    def checkpoint_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor fills (its own name here); None: skip it."""
+        if "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight"):
+            return None
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return copy_weights(self, ((self.checkpoint_name(n), t) for n, t in weights))
 
 
 def build(cfg: ModelConfig, backend: AttentionBackend) -> Any:

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from torch import nn
 
 from pdserve.core.models.layers import MergedLinear, VocabEmbedding
+from pdserve.core.models.moe import ExpertPiece, FusedExperts
 from pdserve.core.parallel import Shard
 from pdserve.kernels.swiglu_gemm import deinterleave_gate_up
 
@@ -91,6 +92,33 @@ def _part_rows(model: nn.Module) -> dict[str, tuple[str, MergedLinear, slice, Sh
     return out
 
 
+def _expert_pieces(model: nn.Module) -> dict[str, tuple[str, list[ExpertPiece]]]:
+    """Checkpoint name of each expert tensor (e.g. model.layers.0.mlp.experts.3.gate_proj.weight) -> (the
+    FusedExperts module's name, where its pieces go) (core/models/moe.py)."""
+    out = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, FusedExperts):
+            for suffix, pieces in module.checkpoint_pieces().items():
+                out[f"{module_name}.{suffix}"] = (module_name, pieces)
+    return out
+
+
+def _copy_expert_pieces(
+    name: str, tensor: Weight, module: str, pieces: list[ExpertPiece], params: dict[str, nn.Parameter]
+) -> dict[str, int]:
+    """Copy this rank's slices of an expert tensor into the stacked weights; returns elements copied per parameter."""
+    copied: dict[str, int] = {}
+    for piece in pieces:
+        if tuple(tensor.shape) != piece.full_shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {piece.full_shape}")
+        target = f"{module}.{piece.param}"
+        dest = params[target][piece.dest]
+        with torch.no_grad():
+            dest.copy_(read(tensor.narrow(piece.shard.dim, piece.shard.start, piece.shard.length)))
+        copied[target] = copied.get(target, 0) + dest.numel()
+    return copied
+
+
 def _narrowed(name: str, tensor: Weight, shard: Shard | None, param: torch.Tensor) -> torch.Tensor:
     """The slice of tensor that param (a parameter, or a part's rows of one) holds, read; ValueError when the
     checkpoint's shape does not fit."""
@@ -110,13 +138,19 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str | None, Weight]])
     Unknown names and shape mismatches raise: a checkpoint that does not fit is an error, not a warning.
     """
     params = dict(model.named_parameters())
-    parts = _part_rows(model)
+    parts, experts = _part_rows(model), _expert_pieces(model)
     filled: dict[str, int] = {}
     loaded: set[str] = set()
     for name, tensor in weights:
         if name is None:
             continue
         module, _, leaf = name.rpartition(".")  # e.g. model.layers.0.self_attn.q_proj / weight
+        if name in experts:  # NOTE: a stacked expert weight is whole once every one of its elements came
+            for target, count in _copy_expert_pieces(name, tensor, *experts[name], params).items():
+                filled[target] = filled.get(target, 0) + count
+                if filled[target] == params[target].numel():
+                    loaded.add(target)
+            continue
         if name in params:
             target, fused, param = name, None, params[name]
             shard = getattr(param, "shard", None)
@@ -191,8 +225,8 @@ class GlobalIndex(NamedTuple):
     full_cols: int
 
     def of(self, flat: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """The unsharded element index of each local flat index."""
-        cols = shape[1] if len(shape) == 2 else 1
+        """The unsharded element index of each local flat index (rows: every dimension but the last)."""
+        cols = shape[-1] if len(shape) >= 2 else 1
         r, c = flat // cols, flat % cols
         rows = r if self.rows is None else self.rows.to(flat.device)[r]
         return rows * self.full_cols + (c if self.cols is None else self.cols.to(flat.device)[c])
@@ -220,10 +254,13 @@ def hash_uniform_(out: torch.Tensor, key: int, low: float, high: float, where: G
 
 
 def global_index(module: nn.Module, param: torch.Tensor) -> GlobalIndex | None:
-    """param's place in the unsharded model (None: it is not sharded)."""
-    cols = param.shape[1] if param.dim() == 2 else 1
+    """param's place in the unsharded model (None: it is not sharded). A sharded parameter is split along its
+    first dimension (rows) or its last (columns, the rows being every other dimension flattened)."""
+    cols = param.shape[-1] if param.dim() >= 2 else 1
     if isinstance(module, MergedLinear):
         return GlobalIndex(module.global_rows(), None, cols)
+    if isinstance(module, FusedExperts) and param is module.w13:
+        return GlobalIndex(module.w13_global_rows(), None, cols)
     shard: Shard | None = getattr(param, "shard", None)
     if shard is None:
         return None

@@ -17,7 +17,7 @@ from tests.hf_reference import hf_greedy, random_prompts
 
 NEW_TOKENS = 36
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-FAMILIES = ["qwen3"]
+FAMILIES = ["qwen3", "qwen3_moe", "mixtral"]
 
 
 def chunked_engine(model_dir: Path) -> Engine:

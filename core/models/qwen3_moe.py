@@ -1,0 +1,51 @@
+"""Qwen3-MoE: Qwen3's attention (per-head q/k norms, core/models/llama.py) with a sparse MoE feed-forward
+(core/models/moe.py) in the layers the config makes sparse, the dense SwiGLU MLP in the others.
+
+Checkpoint names: `mlp.gate.weight` (router), `mlp.experts.{e}.{gate,up,down}_proj.weight` (as transformers
+saves them) or the stacked `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from pdserve.core.config import ModelConfig
+from pdserve.core.models.llama import LlamaForCausalLM, LlamaMLP
+from pdserve.core.models.moe import MoeArgs, SparseMoeBlock
+
+
+def moe_args(hf: Any) -> MoeArgs:
+    """Qwen3-MoE's routing: softmax, top-k, renormalized when norm_topk_prob; weights in the activation dtype."""
+    num_experts = getattr(hf, "num_experts", None) or hf.num_local_experts
+    return MoeArgs(
+        num_experts=num_experts,
+        top_k=hf.num_experts_per_tok,
+        intermediate_size=hf.moe_intermediate_size,
+        renormalize=bool(hf.norm_topk_prob),
+        fp32_weights=False,
+        hidden_act=hf.hidden_act,
+    )
+
+
+def is_sparse(hf: Any, layer: int) -> bool:
+    """transformers' rule: not listed in mlp_only_layers, and every decoder_sparse_step-th layer."""
+    step = getattr(hf, "decoder_sparse_step", 1) or 1
+    return layer not in (getattr(hf, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    """Implements core.models.base.CausalLM."""
+
+    capturable = False  # NOTE: the torch MoE forward reads per-expert token counts on the host
+
+    @staticmethod
+    def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:
+        if is_sparse(cfg.hf_config, layer):
+            return SparseMoeBlock(moe_args(cfg.hf_config), cfg.hidden_size)
+        return LlamaMLP(cfg)
+
+
+def build(cfg: ModelConfig, backend: Any) -> Any:
+    return Qwen3MoeForCausalLM(cfg, backend)
