@@ -11,13 +11,14 @@ import torch
 from torch.nn import functional as F
 
 from pdserve.core import parallel
-from pdserve.core.config import ModelConfig
+from pdserve.core.config import ModelConfig, SchedulerConfig
 from pdserve.core.models.moe import FusedExperts, MoeArgs, SparseMoeBlock, route
 from pdserve.core.parallel import TPGroup
 from tests.hf_reference import hf_greedy, random_prompts
-from tests.unit.test_tensor_parallel import NEW_TOKENS, build, tp_greedy
+from tests.unit.test_tensor_parallel import build, tp_greedy
 
 HIDDEN, TOKENS = 16, 23
+TP_NEW_TOKENS = 32
 
 
 def block(args: MoeArgs, rank: int = 0, size: int = 1) -> SparseMoeBlock:
@@ -123,9 +124,15 @@ def test_checkpoint_experts_land_in_the_stacked_weights(tiny_mixtral_dir: Path) 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral"])
 def test_family_at_tp_2_matches_transformers(family: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Chunked prefill forced (7 tokens), prefix caching on: two requests at a time, so the third prompt starts
+    after the first is done and finds the 37 tokens they share (two 16-token blocks) cached."""
     model_dir = request.getfixturevalue(f"tiny_{family}_dir")
-    prompts = random_prompts(1024, [3, 17, 40], seed=71)
-    assert tp_greedy(model_dir, prompts, 2, tmp_path) == hf_greedy(model_dir, prompts, NEW_TOKENS)
+    prefix = random_prompts(1024, [37], seed=70)[0]
+    first, third = (prefix + p for p in random_prompts(1024, [4, 27], seed=72))
+    prompts = [first, random_prompts(1024, [3], seed=71)[0], third]
+    chunked = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, prefill_chunk_size=7)
+    got = tp_greedy(model_dir, prompts, 2, tmp_path, scheduler=chunked, max_tokens=TP_NEW_TOKENS)
+    assert got == hf_greedy(model_dir, prompts, TP_NEW_TOKENS)
 
 
 def test_stacked_expert_checkpoints_load_as_the_per_expert_ones(tiny_qwen3_moe_dir: Path, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from pdserve.core import parallel
-from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.core.engine import Engine
 from pdserve.core.models import load_model
 from pdserve.core.models.layers import MergedLinear
@@ -88,28 +88,45 @@ def test_a_tp_size_the_heads_do_not_allow_is_refused(tiny_llama_dir: Path) -> No
 
 
 def _rank_main(
-    rank: int, size: int, model_dir: str, prompts: list[list[int]], out: str, device: str, eager: bool
+    rank: int,
+    size: int,
+    model_dir: str,
+    prompts: list[list[int]],
+    out: str,
+    device: str,
+    eager: bool,
+    scheduler: SchedulerConfig,
+    max_tokens: int,
 ) -> None:
     torch.set_num_threads(1)
     pc = ParallelConfig(size, rank)
     device = f"cuda:{rank}" if device == "cuda" else device
     parallel.init_tp_group(pc, f"file://{out}.rendezvous", torch.device(device))
     model = ModelConfig.from_pretrained(model_dir)
-    cfg = EngineConfig(model, CacheConfig(num_blocks=128), device=device, enforce_eager=eager, parallel=pc)
+    cache = CacheConfig(num_blocks=128)
+    cfg = EngineConfig(model, cache, scheduler, device=device, enforce_eager=eager, parallel=pc)
     engine = Engine(cfg)
-    tokens = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    tokens = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     parallel.close_tp_group()
     if rank == 0:
         Path(out).write_text(json.dumps(tokens))
 
 
 def tp_greedy(
-    model_dir: Path, prompts: list[list[int]], size: int, tmp_path: Path, device: str = "cpu", eager: bool = False
+    model_dir: Path,
+    prompts: list[list[int]],
+    size: int,
+    tmp_path: Path,
+    device: str = "cpu",
+    eager: bool = False,
+    scheduler: SchedulerConfig | None = None,
+    max_tokens: int = NEW_TOKENS,
 ) -> list[list[int]]:
     """Greedy tokens of an engine at TP size: one process per rank (gloo on CPU; NCCL on CUDA, rank r on GPU r),
-    every rank running the same steps."""
+    every rank running the same steps (prefix caching on, as by default)."""
     out = tmp_path / f"tp{size}-{device}-{eager}.json"
-    mp.spawn(_rank_main, args=(size, str(model_dir), prompts, str(out), device, eager), nprocs=size, join=True)
+    args = (size, str(model_dir), prompts, str(out), device, eager, scheduler or SchedulerConfig(), max_tokens)
+    mp.spawn(_rank_main, args=args, nprocs=size, join=True)
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
