@@ -4,8 +4,10 @@ GPT-2's tokenizer, which the router needs for text and detokenizing.
 
     python scripts/make_bench_model.py --shape llama-1b --out bench/models/llama-1b
 
-NOTE: Llama shapes keep their real vocabulary (128256 rows); ids beyond the tokenizer's 50257 detokenize
-to empty text. Benchmarks send token ids and measure tokens, so only the streamed text is affected.
+NOTE: Llama and Qwen3 shapes keep their real vocabulary (128256 / 151936 rows); ids beyond the tokenizer's
+50257 detokenize to empty text. Mixtral's 32000 rows are fewer than the tokenizer's ids: its eos is id 2 and
+text prompts may tokenize to ids it refuses. Benchmarks send token ids and measure tokens, so only the streamed
+text is affected.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ from typing import Any
 
 from pdserve.core.model_store import GPT2_VOCAB_SIZE, write_gpt2_tokenizer
 
-EOS_ID = GPT2_VOCAB_SIZE - 1  # <|endoftext|>, valid in every shape below
+EOS_ID = GPT2_VOCAB_SIZE - 1  # <|endoftext|>, valid in every shape below but mixtral-8x7b's
 LLAMA: dict[str, Any] = dict(
     model_type="llama", max_position_embeddings=8192, rope_theta=500000.0, bos_token_id=EOS_ID, eos_token_id=EOS_ID
 )
+QWEN3: dict[str, Any] = dict(
+    vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=EOS_ID, eos_token_id=EOS_ID,
+)  # fmt: skip
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-1b": dict(
         LLAMA, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -29,6 +35,24 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama-8b": dict(
         LLAMA, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
         intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+    ),
+    # Qwen/Qwen3-8B config.json: q/k head norms, head_dim 128 set explicitly, rope_theta 1e6, untied
+    "qwen3-8b": dict(
+        QWEN3, model_type="qwen3", hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+    ),
+    # Qwen/Qwen3-30B-A3B config.json: 128 experts of width 768, top 8 renormalized, every layer sparse
+    "qwen3-30b-a3b": dict(
+        QWEN3, model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    # mistralai/Mixtral-8x7B-v0.1 config.json: 8 experts of width 14336, top 2, rope_theta 1e6, rms eps 1e-5
+    "mixtral-8x7b": dict(
+        model_type="mixtral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2,
     ),
     "gpt2-124m": dict(
         model_type="gpt2", vocab_size=GPT2_VOCAB_SIZE, n_embd=768, n_layer=12, n_head=12, n_positions=1024,
