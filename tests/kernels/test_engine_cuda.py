@@ -82,6 +82,26 @@ def test_cuda_fp32_greedy_matches_hf_on_gpu(family: str, mode: str, request: pyt
     torch.testing.assert_close(ours, first_logits[4], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_cuda_fp32_moe_runs_eagerly_and_matches_hf_on_gpu(family: str, request: pytest.FixtureRequest) -> None:
+    """The torch MoE forward reads expert counts on the host: the Triton backend without graphs (not asked
+    for enforce_eager), tokens equal transformers on the same GPU."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model_dir = request.getfixturevalue(f"tiny_{family}_dir")
+    cfg = EngineConfig(
+        ModelConfig.from_pretrained(model_dir),
+        CacheConfig(num_blocks=256),
+        SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, prefill_chunk_size=16),
+        device="cuda",
+        attention_backend="triton",
+    )
+    engine = Engine(cfg)
+    assert engine.runner.graphs is None and engine.runner.prefill_graphs is None
+    prompts = random_prompts(1024, (1, 17, 33, 64, 3), seed=43)
+    expected, _ = hf_greedy_cuda(model_dir, prompts)
+    assert engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)) == expected
+
+
 def test_cuda_prefix_cache_and_seeded_sampling(tiny_llama_dir: Path) -> None:
     cfg = EngineConfig(ModelConfig.from_pretrained(tiny_llama_dir), CacheConfig(num_blocks=128), device="cuda")
     engine = Engine(cfg)
