@@ -15,7 +15,7 @@ Arch = Literal["llama", "gpt2", "qwen3_moe", "mixtral"]
 LoadFormat = Literal["auto", "dummy"]
 
 _LLAMA_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
-_MOE_TYPES: dict[str, Arch] = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+_MOE_TYPES: dict[str, Arch] = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe", "mixtral": "mixtral"}
 """Model types built from the llama blocks with a sparse MoE feed-forward (core/models/moe.py)."""
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -109,7 +109,7 @@ class ModelConfig:
                 max_model_len=hf.n_positions,
             )
         else:
-            supported = "llama family, qwen3_moe, mixtral or gpt2"
+            supported = "llama family, qwen3_moe, qwen2_moe, mixtral or gpt2"
             raise ValueError(f"model type {hf.model_type!r} is not supported ({supported})")
         name = Path(path).name or str(getattr(hf, "name_or_path", "model"))
         return cls(

@@ -41,6 +41,12 @@ def tiny_mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2-MoE folder (seed 0): 2 layers, 4 experts top 2 and a gated shared expert, vocab 1024."""
+    return make_tiny("qwen2_moe", tmp_path_factory.mktemp("tiny_qwen2_moe"), seed=0)
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct folder in the shared cache (converted on first use)."""
     try:

@@ -70,13 +70,19 @@ TINY_FAMILIES: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [1],
     },
     "mixtral": {**TINY_QWEN3_LIKE, "intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2},
+    # a gated shared expert beside the routed ones; q/k/v bias; top-2 weights not renormalized (its default)
+    "qwen2_moe": {
+        **TINY_QWEN3_LIKE, "intermediate_size": 128, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "num_experts": 4, "num_experts_per_tok": 2,
+    },
 }  # fmt: skip
 """Config of each tiny family (transformers' own config and model classes make and save them)."""
 
 
 def make_tiny(family: str, model_dir: Path, seed: int = 0, **config_overrides: Any) -> Path:
-    """Save a tiny random ``family`` model (qwen3 | qwen3_moe | mixtral: 2-3 layers, hidden 64, vocab 1024, MoE
-    with 4 experts top 2) plus the 1024-token tokenizer to ``model_dir``, built by transformers' classes."""
+    """Save a tiny random ``family`` model (qwen3 | qwen3_moe | mixtral | qwen2_moe: 2-3 layers, hidden 64,
+    vocab 1024, MoE with 4 experts top 2) plus the 1024-token tokenizer to ``model_dir``, built by transformers'
+    classes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(family, **{**TINY_FAMILIES[family], **config_overrides})

@@ -75,9 +75,10 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         hf = cfg.hf_config
-        # NOTE: Llama's attention_bias covers q/k/v/o; Qwen2 always has q/k/v bias and no o bias (Qwen3 none).
+        # NOTE: Llama's attention_bias covers q/k/v/o; Qwen2 always has q/k/v bias and no o bias (Qwen3 none),
+        # Qwen2-MoE has q/k/v bias where qkv_bias (its default).
         o_bias = bool(getattr(hf, "attention_bias", False))
-        bias = o_bias or hf.model_type == "qwen2"
+        bias = o_bias or hf.model_type == "qwen2" or bool(getattr(hf, "qkv_bias", False))
         tp, d = tp_group(), cfg.head_dim
         q_start, self.num_heads = even_split(cfg.num_heads, tp.size, tp.rank, "num_attention_heads")
         kv_start, self.num_kv_heads = kv_head_range(cfg.num_kv_heads, tp.size, tp.rank)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from pdserve.core.models.activations import activation
-from pdserve.core.models.layers import column_shard
+from pdserve.core.models.layers import MergedLinear, column_shard
 from pdserve.core.parallel import Shard, TPGroup, tp_group
 from pdserve.kernels.fused_ops import silu_and_mul
 
@@ -41,6 +41,9 @@ class MoeArgs:
     as transformers does each."""
     hidden_act: str = "silu"
     """The experts' activation (act(gate) * up)."""
+    shared_expert_size: int = 0
+    """Width of the shared expert every token also goes through, gated by sigmoid(shared_expert_gate(x))
+    (Qwen2-MoE); 0: none."""
 
 
 class Routing(NamedTuple):
@@ -139,17 +142,43 @@ class FusedExperts(nn.Module):
         return out
 
 
+class SharedExpert(nn.Module):
+    """A SwiGLU MLP every token goes through (Qwen2-MoE's shared_expert), sliced over the ranks as the dense MLP
+    is but without its own all-reduce: its partial sum joins the routed experts' before the block's one."""
+
+    def __init__(self, hidden: int, width: int, hidden_act: str) -> None:
+        super().__init__()
+        inter = column_shard(width, "shared_expert_intermediate_size")
+        self.gate_up_proj = MergedLinear(hidden, {"gate_proj": inter, "up_proj": inter}, bias=False)
+        self.down_proj = nn.Linear(inter.length, hidden, bias=False)
+        self.down_proj.weight.shard = Shard(1, inter.start, inter.length, width)  # type: ignore[attr-defined]
+        self.act = activation(hidden_act)
+        self.fused_silu = hidden_act == "silu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden], partial
+        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.splits, dim=-1)  # [num_tokens, width / tp] each
+        return self.down_proj(silu_and_mul(gate, up) if self.fused_silu else self.act(gate) * up)
+
+
 class SparseMoeBlock(nn.Module):
-    """Router (`gate`, replicated) + experts: sum over each token's top-k experts of weight * expert(x)."""
+    """Router (`gate`, replicated) + experts: sum over each token's top-k experts of weight * expert(x), plus
+    sigmoid(shared_expert_gate(x)) * shared_expert(x) where the config has a shared expert."""
 
     def __init__(self, args: MoeArgs, hidden: int) -> None:
         super().__init__()
         self.args = args
         self.gate = nn.Linear(hidden, args.num_experts, bias=False)
         self.experts = FusedExperts(args, hidden)
+        self.shared_expert = (
+            SharedExpert(hidden, args.shared_expert_size, args.hidden_act) if args.shared_expert_size else None
+        )
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if args.shared_expert_size else None
         self.tp: TPGroup = tp_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> [num_tokens, hidden]
         routing = route(self.gate(x), self.args)  # NOTE: every rank routes alike (replicated router and input)
         out = self.experts(x, routing)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            # NOTE: the gate is replicated, so scaling each rank's partial sum scales their total
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out if self.tp.size == 1 else self.tp.all_reduce(out)

@@ -1,8 +1,10 @@
-"""Qwen3-MoE: Qwen3's attention (per-head q/k norms, core/models/llama.py) with a sparse MoE feed-forward
-(core/models/moe.py) in the layers the config makes sparse, the dense SwiGLU MLP in the others.
+"""Qwen3-MoE (and Qwen2-MoE): Qwen3's attention (per-head q/k norms; Qwen2-MoE: q/k/v bias instead, see
+core/models/llama.py) with a sparse MoE feed-forward (core/models/moe.py) in the layers the config makes sparse,
+the dense SwiGLU MLP in the others. Qwen2-MoE's blocks add a gated shared expert.
 
 Checkpoint names: `mlp.gate.weight` (router), `mlp.experts.{e}.{gate,up,down}_proj.weight` (as transformers
-saves them) or the stacked `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`.
+saves them) or the stacked `mlp.experts.gate_up_proj` / `mlp.experts.down_proj`; Qwen2-MoE's
+`mlp.shared_expert.{gate,up,down}_proj.weight` and `mlp.shared_expert_gate.weight`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from pdserve.core.models.moe import MoeArgs, SparseMoeBlock
 
 
 def moe_args(hf: Any) -> MoeArgs:
-    """Qwen3-MoE's routing: softmax, top-k, renormalized when norm_topk_prob; weights in the activation dtype."""
+    """Qwen3-MoE's (and Qwen2-MoE's) routing: softmax, top-k, renormalized when norm_topk_prob; weights in the
+    activation dtype."""
     num_experts = getattr(hf, "num_experts", None) or hf.num_local_experts
     return MoeArgs(
         num_experts=num_experts,
@@ -26,6 +29,7 @@ def moe_args(hf: Any) -> MoeArgs:
         renormalize=bool(hf.norm_topk_prob),
         fp32_weights=False,
         hidden_act=hf.hidden_act,
+        shared_expert_size=getattr(hf, "shared_expert_intermediate_size", 0) or 0,
     )
 
 

@@ -1,6 +1,6 @@
-"""Qwen3, Qwen3-MoE and Mixtral (tiny random checkpoints made and saved by transformers): greedy tokens of the
-engine equal transformers `generate` token for token (CPU, fp32), with prefix caching on and chunked prefill
-forced, and the checkpoints' names and shapes load (whole and sharded)."""
+"""Qwen3, Qwen3-MoE, Mixtral and Qwen2-MoE (tiny random checkpoints made and saved by transformers): greedy
+tokens of the engine equal transformers `generate` token for token (CPU, fp32), with prefix caching on and
+chunked prefill forced, and the checkpoints' names and shapes load (whole and sharded)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from tests.hf_reference import hf_greedy, random_prompts
 
 NEW_TOKENS = 36
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-FAMILIES = ["qwen3", "qwen3_moe", "mixtral"]
+FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "qwen2_moe"]
 
 
 def chunked_engine(model_dir: Path) -> Engine:

@@ -95,7 +95,7 @@ def expert_weights(model: torch.nn.Module, layer: int) -> FusedExperts:
     return model.get_submodule(f"model.layers.{layer}.mlp.experts")  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("load_format", ["auto", "dummy"])
 def test_each_rank_holds_its_slice_of_every_expert(
     family: str, load_format: str, request: pytest.FixtureRequest
@@ -122,7 +122,7 @@ def test_checkpoint_experts_land_in_the_stacked_weights(tiny_mixtral_dir: Path) 
     assert torch.equal(experts.w13[2], torch.cat([w1, w3])) and torch.equal(experts.w2[2], w2)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "qwen2_moe"])
 def test_family_at_tp_2_matches_transformers(family: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """Chunked prefill forced (7 tokens), prefix caching on: two requests at a time, so the third prompt starts
     after the first is done and finds the 37 tokens they share (two 16-token blocks) cached."""
