@@ -131,8 +131,9 @@ def _narrowed(name: str, tensor: Weight, shard: Shard | None, param: torch.Tenso
 
 
 def copy_weights(model: nn.Module, weights: Iterable[tuple[str | None, Weight]]) -> set[str]:
-    """Copy (name, tensor) pairs into same-named parameters (or their rows of a MergedLinear), each parameter's
-    own shard of the tensor (core/models/layers.py); None names are skipped. Returns the parameters filled whole
+    """Copy (name, tensor) pairs into same-named parameters (or their rows of a MergedLinear, or their slices of
+    stacked expert weights), each parameter's own shard of the tensor (core/models/layers.py, moe.py); None names
+    are skipped. Returns the parameters filled whole
     (a merged one once all its parts came).
 
     Unknown names and shape mismatches raise: a checkpoint that does not fit is an error, not a warning.
@@ -169,9 +170,13 @@ def copy_weights(model: nn.Module, weights: Iterable[tuple[str | None, Weight]])
     return loaded
 
 
+_STACKED_EXPERT_NAMES = {"w13": "gate_up_proj", "w2": "down_proj"}
+
+
 def unmerged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights under checkpoint names and shapes (views, but copies of interleaved parts): each
-    MergedLinear split back into its parts, each VocabEmbedding without its padding rows."""
+    MergedLinear split back into its parts, each VocabEmbedding without its padding rows, stacked experts under
+    transformers' in-memory names (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I])."""
     modules = dict(model.named_modules())
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
@@ -179,6 +184,9 @@ def unmerged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         fused = modules.get(module)
         if isinstance(fused, VocabEmbedding):
             out[name] = tensor[: fused.vocab_size]
+        if isinstance(fused, FusedExperts):
+            out[f"{module}.{_STACKED_EXPERT_NAMES[leaf]}"] = tensor
+            continue
         if not isinstance(fused, MergedLinear):
             out.setdefault(name, tensor)
             continue

@@ -151,3 +151,17 @@ def test_stacked_expert_checkpoints_load_as_the_per_expert_ones(tiny_qwen3_moe_d
         theirs = build(ModelConfig.from_pretrained(tiny_qwen3_moe_dir), rank, size)
         for name, param in theirs.named_parameters():
             assert torch.equal(ours.get_parameter(name), param), name
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_exported_weights_are_transformers_in_memory_state_dict(family: str, request: pytest.FixtureRequest) -> None:
+    """unmerged_state_dict of an MoE model: every name and tensor of transformers' own model (stacked experts)."""
+    from pdserve.core.models.loading import unmerged_state_dict
+    from tests.hf_reference import hf_model
+
+    model_dir = request.getfixturevalue(f"tiny_{family}_dir")
+    theirs = hf_model(str(model_dir)).state_dict()
+    ours = unmerged_state_dict(build(ModelConfig.from_pretrained(model_dir), 0, 1))
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
