@@ -107,7 +107,12 @@ class RouterServer:
         self.http_port = 0
 
     async def start(self) -> int:
-        """Listen (port 0 picks one) and start talking to the workers; the port."""
+        """Listen (port 0 picks one) and start talking to the workers; the port. One of several front ends
+        listens only once it serves: the kernel hands a shared port's new connections to every listener alike,
+        and one that cannot serve yet (a restarted front end) would refuse its share."""
+        if self.cfg.num_frontends > 1:
+            self.hub.start()
+            await self.wait_ready()
         self.port = auth.add_port(self.server, self.cfg.bind, self.cfg.address, self.cfg.security)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.cfg.address}")
@@ -117,7 +122,8 @@ class RouterServer:
         if self.http is not None:
             assert self.cfg.http_port is not None
             self.http_port = await self.http.start(self.cfg.bind, self.cfg.http_port, self.cfg.num_frontends > 1)
-        self.hub.start()
+        if self.cfg.num_frontends == 1:
+            self.hub.start()
         if self.cfg.metrics_port is not None:
             port = self.metrics.serve(self.cfg.metrics_port, Path(self.cfg.run_dir) / "metrics" / f"{self.name}.port")
             log.info("metrics on http://127.0.0.1:%d/metrics", port)
