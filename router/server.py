@@ -108,11 +108,11 @@ class RouterServer:
 
     async def start(self) -> int:
         """Listen (port 0 picks one) and start talking to the workers; the port. One of several front ends
-        listens only once it serves: the kernel hands a shared port's new connections to every listener alike,
-        and one that cannot serve yet (a restarted front end) would refuse its share."""
+        listens only once it serves (a worker of each role up): the kernel hands a shared port's new connections
+        to every listener alike, and one that cannot serve yet (a restarted front end) would refuse its share."""
         if self.cfg.num_frontends > 1:
             self.hub.start()
-            await self.wait_ready()
+            await self.hub.serving.wait()
         self.port = auth.add_port(self.server, self.cfg.bind, self.cfg.address, self.cfg.security)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.cfg.address}")
