@@ -361,6 +361,8 @@ class WorkerHub:
             now = time.monotonic()
             self._apply(self.liveness.expire(now))
             self._retry_snapshots(now)
+            if self.admission and self.table.shared is not None:
+                self.admission.notify()  # NOTE: room another front end frees shows only in the shared sums
 
     def _apply(self, changes: list[Change]) -> None:
         for change in changes:

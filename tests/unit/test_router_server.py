@@ -30,6 +30,7 @@ from pdserve.core.messages import (
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.router import client
+from pdserve.router.load_table import RESERVED_AT_DECODE, SharedLoads
 from pdserve.router.tokenizer import RouterTokenizer
 from tests.router_fakes import HEARTBEAT_TIMEOUT, FakeDecode, FakePrefill, Script, eventually, router_with_fakes
 
@@ -289,6 +290,29 @@ def test_admission_queues_what_has_no_kv_room_and_refuses_past_max_queued(smollm
             for call in (queued, waits):
                 call.cancel()
             await eventually(lambda: len(h.router.hub.table) == 0 and +h.router.hub.table.reserved_at_decode == {})
+
+    asyncio.run(body())
+
+
+def test_a_front_end_admits_once_another_front_end_frees_the_kv_room(smollm2_dir: Path, run_dir: Path) -> None:
+    # front end 0 of 2 (this router); front end 1's row of the shared load table holds all but 10 of the fake decode
+    # worker's 128 blocks; a request needing 63 waits until front end 1's requests end (its row drops to 0)
+    script = Script(list(range(100, 104)))
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling=pb.SamplingParams(max_tokens=1006))
+
+    async def body() -> None:
+        other = SharedLoads.open(run_dir, 2, 1, 1, 1)
+        other.write(RESERVED_AT_DECODE, 0, 118)
+        async with router_with_fakes(smollm2_dir, run_dir, script, block_size=16, num_frontends=2) as h:
+            call = asyncio.ensure_future(h.generate(request))
+            await eventually(lambda: len(h.router.hub.admission) == 1)
+            await asyncio.sleep(0.3)
+            assert not h.prefill.got(GenerateCmd) and len(h.router.hub.admission) == 1
+            other.write(RESERVED_AT_DECODE, 0, 0)
+            responses = await asyncio.wait_for(call, 5.0)
+            assert [t for r in responses for t in r.token_ids] == script.tokens
+            (cmd,) = h.prefill.got(GenerateCmd)
+            assert isinstance(cmd, GenerateCmd) and cmd.frontend == 0
 
     asyncio.run(body())
 
