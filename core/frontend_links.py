@@ -34,6 +34,9 @@ class FrontendLinks:
 
     def __init__(self, ctx: zmq.Context, run_dir: str, num_frontends: int) -> None:
         self.sockets = [ipc.connect_push(ctx, ipc.router_addr(run_dir, k)) for k in range(num_frontends)]
+        self.down: set[int] = set()
+        """Front ends whose last send failed: sends to them do not wait for a connection (one that restarted
+        and connected again takes them at once), so a dead one costs no step a wait per message."""
 
     def __len__(self) -> int:
         return len(self.sockets)
@@ -43,7 +46,16 @@ class FrontendLinks:
 
     def send(self, frontend: int, msg: Message, wait_ms: int = 200) -> bool:
         """msg to one front end (ipc.send); False when it has no live connection (it is down or restarting)."""
-        return ipc.send(self.sockets[frontend], msg, wait_ms)
+        ok = ipc.send(self.sockets[frontend], msg, 0 if frontend in self.down else wait_ms)
+        if ok:
+            self.down.discard(frontend)
+        elif len(self.sockets) > 1:
+            self.down.add(frontend)
+        return ok
+
+    def mark_alive(self, frontend: int) -> None:
+        """frontend just sent us a command: its connection may still be on its way, so sends wait for it again."""
+        self.down.discard(frontend)
 
     def broadcast(self, msg: Message, wait_ms: int = 200) -> None:
         """msg to every front end (a dead one misses it)."""

@@ -146,6 +146,7 @@ class WorkerBase:
         if problem is not None:
             log.warning("dropped a bad GenerateCmd: %s", problem)
             return False
+        self.frontends.mark_alive(cmd.frontend)
         try:
             params = sampling_to_params(cmd.sampling)
             token_ids = unpack_token_ids(cmd.token_ids)

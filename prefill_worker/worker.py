@@ -225,9 +225,14 @@ class PrefillWorker(WorkerBase):
         # wait on the handoffs (a 1000-token HandoffCmd to encode and send) of the requests before it.
         sent = [(out, self._first_token(out)) for out in outputs]
         self.engine.flush_commits()  # NOTE: the prompts' blocks and rows enter the prefix cache after their tokens left
-        for out, (cmd, timings) in sent:
-            if not out.finished:
+        for out, (cmd, timings, delivered) in sent:
+            if out.finished:
+                continue
+            if delivered or len(self.frontends) == 1:
                 self._hand_off(out, cmd, timings)
+            else:  # NOTE: its front end is gone, and its stream with it: no decode worker needs it
+                self.num_aborted += self.engine.abort(out.request_id) is not None
+                log.warning("request %s aborted: front end %d took no first token", out.request_id, cmd.frontend)
         return bool(outputs)
 
     def after_step(self) -> None:
@@ -236,12 +241,13 @@ class PrefillWorker(WorkerBase):
             log.warning("reclaimed %d blocks of expired leases", len(expired))
             self.engine.release_blocks(expired)
 
-    def _first_token(self, out: RequestOutput) -> tuple[_Pending, Timings]:
-        """Send the request's first token to its front end; its pending entry and timings for the handoff."""
+    def _first_token(self, out: RequestOutput) -> tuple[_Pending, Timings, bool]:
+        """Send the request's first token to its front end; its pending entry, timings for the handoff and whether
+        the front end took it."""
         cmd = self.pending.pop(out.request_id)
         now = time.time()
         timings = Timings(arrival=cmd.arrival, prefill_start=cmd.prefill_start, prefill_end=now, first_token=now)
-        self.frontends.send(
+        delivered = self.frontends.send(
             cmd.frontend,
             TokenEvent(
                 out.request_id,
@@ -256,7 +262,7 @@ class PrefillWorker(WorkerBase):
         )
         if out.finished:
             log.info("request %s finished at prefill: %s", out.request_id, out.finish_reason)
-        return cmd, timings
+        return cmd, timings, delivered
 
     def _hand_off(self, out: RequestOutput, cmd: _Pending, timings: Timings) -> None:
         """Lease the request's blocks to its decode worker and send it the HandoffCmd."""

@@ -1,6 +1,7 @@
-"""A decode worker of a cluster with two front ends: each request's tokens go to the front end its GenerateCmd
-(or HandoffCmd) names, one frame per front end per step; when a front end takes none (it is gone), its
-requests are aborted and their blocks are free at once, while the other front end's requests go on.
+"""Workers of a cluster with two front ends: each request's tokens go to the front end its GenerateCmd (or
+HandoffCmd) names, one frame per front end per step; when a front end takes none (it is gone), the decode
+worker aborts its requests (their blocks free at once) and the prefill worker hands none of them off, while the
+other front end's requests go on.
 
 A real DecodeWorker on the tiny llama (CPU) in this process, fed GenerateCmds directly (colocated mode);
 PULL sockets bound here stand in for the front ends.
@@ -18,8 +19,9 @@ import zmq
 
 from pdserve.core import ipc
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
-from pdserve.core.messages import GenerateCmd, Sampling, TokenBatchEvent, TokenEvent, pack_token_ids
+from pdserve.core.messages import GenerateCmd, HandoffCmd, Sampling, TokenBatchEvent, TokenEvent, pack_token_ids
 from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.prefill_worker.worker import PrefillWorker
 from tests.unit.test_decode_worker_release import received
 
 PROMPT = [5, 9, 2, 7, 1, 8, 3, 4, 6]
@@ -94,3 +96,24 @@ def test_requests_of_a_front_end_that_is_gone_are_aborted_and_free_their_blocks(
         assert worker.engine.pool.num_free_blocks == NUM_BLOCKS - 1 and worker.frontend_of == {}
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_prefill_worker_hands_off_nothing_whose_front_end_is_gone(tiny_llama_dir: Path) -> None:
+    run_dir = tempfile.mkdtemp(prefix="pdfe")
+    ctx = zmq.Context()
+    cfg = EngineConfig(ModelConfig.from_pretrained(tiny_llama_dir), CacheConfig(num_blocks=NUM_BLOCKS), device="cpu")
+    router, decode = ipc.bind_pull(ctx, ipc.router_addr(run_dir, 0)), ipc.bind_pull(ctx, ipc.decode_addr(run_dir, 0))
+    prefill = PrefillWorker(cfg, 0, run_dir, num_decode=1, transport="shm", num_frontends=2)  # front end 1 is down
+    try:
+        prefill.handle(generate("a", 0))
+        prefill.handle(generate("b", 1))
+        while prefill.engine.has_unfinished():
+            prefill.step_engine()
+        first = {m.request_id for m in received(router, 1) if isinstance(m, TokenEvent)}
+        handoffs = {m.request_id for m in received(decode, 1) if isinstance(m, HandoffCmd)}
+        assert (first, handoffs, prefill.num_aborted) == ({"a"}, {"a"}, 1)
+        assert len(prefill.leases) == 1 and "b" not in prefill.engine.requests and not prefill.pending
+    finally:
+        prefill.close()
+        ctx.destroy(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -5,6 +5,7 @@ end with no live connection is reported."""
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,5 +77,23 @@ def test_a_front_end_with_no_live_connection_is_reported_and_the_others_still_ge
         assert links.send_tokens(events, {"a": 0, "b": 1}) == [1]
         assert frames(inbox, 1) == [TokenBatchEvent([events[0]])]
         assert links.valid(1) and not links.valid(2) and not links.valid("1")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_front_end_that_took_nothing_costs_no_wait_until_it_sends_a_command(run_dir: str) -> None:
+    ctx = zmq.Context()
+    try:
+        links = FrontendLinks(ctx, run_dir, 2)
+        start = time.monotonic()
+        assert links.send_tokens([event("a", 0)], {"a": 1}) == [1]  # waits for a connection once (200 ms)
+        waited = time.monotonic() - start
+        start = time.monotonic()
+        assert links.send_tokens([event("a", 1)], {"a": 1}) == [1] and links.down == {1}
+        assert waited >= 0.15 and time.monotonic() - start < 0.05
+        inbox = ipc.bind_pull(ctx, ipc.router_addr(run_dir, 1))  # it came back and sent a GenerateCmd
+        links.mark_alive(1)
+        assert links.send_tokens([event("b", 0)], {"b": 1}) == [] and links.down == set()
+        assert frames(inbox, 1) == [TokenBatchEvent([event("b", 0)])]
     finally:
         ctx.destroy(linger=0)
