@@ -90,8 +90,9 @@ class RouterServer:
         self.path = RequestPath(model, tokenizer, self.hub, cfg.max_migrations, self.metrics)
         servicer = GenerationServicer(self.path, cfg.block_size)
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *PENDING_CALL_LIMITS]
-        if cfg.num_frontends > 1:  # NOTE: every front end listens on the port; the kernel spreads connections
-            options.append(("grpc.so_reuseport", 1))
+        # NOTE: SO_REUSEPORT only where front ends share the port (the kernel spreads connections over them); gRPC
+        # sets it by default, which would let another process silently take a share of a lone router's port
+        options.append(("grpc.so_reuseport", int(cfg.num_frontends > 1)))
         # NOTE: the API-key check runs first: a refused call is never accounted nor seen by the servicer
         interceptors = [*auth.interceptors(cfg.security), servicer.accounting()]
         self.server = grpc.aio.server(options=options, interceptors=interceptors)

@@ -4,6 +4,7 @@ cancellation, worker loss, health, reflection, and the `python -m router` proces
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import signal
 import subprocess
@@ -30,7 +31,9 @@ from pdserve.core.messages import (
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.router import client
+from pdserve.router.config import RouterConfig
 from pdserve.router.load_table import RESERVED_AT_DECODE, SharedLoads
+from pdserve.router.server import RouterServer
 from pdserve.router.tokenizer import RouterTokenizer
 from tests.router_fakes import HEARTBEAT_TIMEOUT, FakeDecode, FakePrefill, Script, eventually, router_with_fakes
 
@@ -442,3 +445,25 @@ def test_router_modules_do_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) >= 10
+
+
+def test_a_lone_router_keeps_its_grpc_port_and_front_ends_share_theirs(smollm2_dir: Path, run_dir: Path) -> None:
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script([7])) as h:
+            (run_dir / "other").mkdir()
+            other = RouterServer(RouterConfig(str(smollm2_dir), str(run_dir / "other"), port=h.router.port))
+            with pytest.raises(RuntimeError, match="Failed to bind"):  # gRPC would share it by default (SO_REUSEPORT)
+                await other.start()
+            await other.stop(0)
+        shared = RouterConfig(str(smollm2_dir), str(run_dir), port=0, num_frontends=2)
+        first = RouterServer(shared)
+        first.hub.serving.set()  # NOTE: listens once it serves; no workers here
+        port = await first.start()
+        second = RouterServer(dataclasses.replace(shared, port=port, frontend=1))
+        second.hub.serving.set()
+        try:
+            assert await second.start() == port
+        finally:
+            await asyncio.gather(first.stop(0), second.stop(0))
+
+    asyncio.run(body())
