@@ -42,6 +42,8 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", required=True, help="folder of the cluster's ipc sockets")
     parser.add_argument("--num-prefill", type=int, default=1)
     parser.add_argument("--num-decode", type=int, default=1)
+    # NOTE: internal (pdserve-cluster --frontends): the router processes to send requests' events to
+    parser.add_argument("--num-frontends", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument(
         "--transport",
         default="auto",
@@ -82,6 +84,8 @@ def worker_args_error(args: argparse.Namespace) -> str | None:
         return "--block-size must be >= 1 and --num-blocks >= 2"
     if args.cpu_threads < 0:
         return "--cpu-threads must be >= 0"
+    if args.num_frontends < 1:
+        return "--num-frontends must be >= 1"
     if args.tp_size < 1 or not 0 <= args.tp_rank < args.tp_size:
         return f"--tp-size must be >= 1 (got {args.tp_size}; rank {args.tp_rank})"
     if args.tp_rank > 0 and args.tp_group is None:

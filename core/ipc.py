@@ -1,8 +1,9 @@
 """ZeroMQ plumbing shared by the router and the workers: socket paths, sockets, safe receive.
 
 Every process of one cluster lives under one run directory; each receiving socket is bound by its owner:
-router.sock (router, PULL), prefill-{i}.sock (prefill worker i, PULL), prefill-{i}.handshake.sock
-(prefill worker i, REP), decode-{j}.sock (decode worker j, PULL). Senders connect PUSH sockets.
+router.sock (router, PULL; front end k > 0 of several: router-{k}.sock), prefill-{i}.sock (prefill worker i,
+PULL), prefill-{i}.handshake.sock (prefill worker i, REP), decode-{j}.sock (decode worker j, PULL). Senders
+connect PUSH sockets.
 Each worker also binds {role}-{i}.kv.sock (PUB: its KV cache events), to which the router connects a SUB.
 A cluster spread over hosts has a topology.json in each host's run dir: the same sockets are then TCP (Topology),
 each authenticated with CURVE by the cluster's keys in the same run dir (core/curve.py): bind and connect apply
@@ -36,8 +37,8 @@ class Topology:
     """A cluster over several hosts: every socket is tcp://HOST:PORT instead of an ipc:// path, each process
     binding its own on the host the topology names for it (so binding beyond loopback is explicit, here).
 
-    Ports from base_port: router inbox +0; prefill i: inbox +100+10i, handshake +1, KV events +2;
-    decode j: inbox +5000+10j, KV events +2.
+    Ports from base_port: router inbox +0 (front end k: +k, k < 100); prefill i: inbox +100+10i, handshake +1,
+    KV events +2; decode j: inbox +5000+10j, KV events +2.
     """
 
     router: str
@@ -59,11 +60,12 @@ class Topology:
         return topo
 
     def host(self, role: str, worker: int = 0) -> str:
+        """role's host; every front end (router process) runs on the router host."""
         return self.router if role == "router" else (self.prefill if role == "prefill" else self.decode)[worker]
 
     def address(self, role: str, worker: int, socket: str) -> str:
         """socket: inbox | handshake | kv."""
-        base = {"router": 0, "prefill": 100 + 10 * worker, "decode": 5000 + 10 * worker}[role]
+        base = {"router": worker, "prefill": 100 + 10 * worker, "decode": 5000 + 10 * worker}[role]
         return f"tcp://{self.host(role, worker)}:{self.base_port + base + SOCKET_OFFSETS[socket]}"
 
     @property
@@ -127,8 +129,9 @@ def connect(sock: zmq.Socket, addr: str) -> None:
     sock.connect(addr)
 
 
-def router_addr(run_dir: str | Path) -> str:
-    return _addr(run_dir, "router", 0, "inbox", "router.sock")
+def router_addr(run_dir: str | Path, frontend: int = 0) -> str:
+    """The inbox of router process (front end) `frontend`; front end 0's is the one router's of a cluster of one."""
+    return _addr(run_dir, "router", frontend, "inbox", "router.sock" if frontend == 0 else f"router-{frontend}.sock")
 
 
 def prefill_addr(run_dir: str | Path, worker: int) -> str:

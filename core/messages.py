@@ -23,7 +23,7 @@ import numpy as np
 
 from pdserve.core.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 64 << 20
 """Largest frame any socket accepts (a 1M-token prompt is ~5 MB of msgpack)."""
 
@@ -127,6 +127,8 @@ class GenerateCmd:
     sampling: Sampling
     decode_worker: int
     timings: Timings = field(default_factory=Timings)
+    frontend: int = 0
+    """The router process (front end) that owns the request: its TokenEvents and RequestErrorEvents go there."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,8 @@ class HandoffCmd:
     (pack_block_hashes); empty from a prefill worker without a prefix cache. The decode worker matches its cache
     with them and registers them instead of hashing the prompt again in its decode loop (a 4000-token prompt:
     ~150 us on the CPU VM)."""
+    frontend: int = 0
+    """GenerateCmd.frontend: where the decode worker sends the request's tokens."""
 
 
 @dataclass(frozen=True)
@@ -290,9 +294,10 @@ class KvEventBatchEvent:
 
 @dataclass(frozen=True)
 class KvSnapshotCmd:
-    """Router -> worker (its inbox): send a KvSnapshotEvent."""
+    """Router -> worker (its inbox): send a KvSnapshotEvent to front end `frontend`."""
 
     TAG: ClassVar[str] = "kv_snapshot_cmd"
+    frontend: int = 0
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import zmq
 from pdserve.core import ipc
 from pdserve.core.engine import Engine
 from pdserve.core.errors import InvalidRequestError
+from pdserve.core.frontend_links import FrontendLinks
 from pdserve.core.gc_pauses import GcPauses, freeze_startup_heap
 from pdserve.core.kv_events import KvEventPublisher, KvOrigin
 from pdserve.core.lifecycle import RESTARTS_ENV, process_age_s
@@ -60,13 +61,15 @@ def bad_fields(cmd: GenerateCmd) -> str | None:
 
 
 class WorkerBase:
-    """Owns the ZMQ context, the inbox and the router socket; subclasses handle messages and outputs."""
+    """Owns the ZMQ context, the inbox and the sockets to the front ends (router processes); subclasses handle
+    messages and outputs."""
 
     role: Role
 
     def __init__(
-        self, worker_id: int, run_dir: str, inbox_addr: str, heartbeat_interval: float, group: RankGroup | None = None
-    ) -> None:
+        self, worker_id: int, run_dir: str, inbox_addr: str, heartbeat_interval: float, group: RankGroup | None = None,
+        num_frontends: int = 1,
+    ) -> None:  # fmt: skip
         self.worker_id = worker_id
         self.group = group
         """The other ranks of this worker's TP group (None at TP size 1): they run every pass we run."""
@@ -74,7 +77,8 @@ class WorkerBase:
         self.incarnation = uuid.uuid4().hex
         self.ctx = zmq.Context()
         self.inbox = ipc.bind_pull(self.ctx, inbox_addr)
-        self.to_router = ipc.connect_push(self.ctx, ipc.router_addr(run_dir))
+        self.frontends = FrontendLinks(self.ctx, run_dir, num_frontends)
+        """One PUSH per front end: a request's events go to the one that owns it (core/frontend_links.py)."""
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
         if group is not None:
@@ -138,17 +142,18 @@ class WorkerBase:
 
     def add_request(self, cmd: GenerateCmd) -> bool:
         """Queue cmd's prompt in the engine; a request it refuses gets INVALID_ARGUMENT at the router."""
-        problem = bad_fields(cmd)
+        problem = bad_fields(cmd) or (None if self.frontends.valid(cmd.frontend) else f"frontend {cmd.frontend!r}")
         if problem is not None:
             log.warning("dropped a bad GenerateCmd: %s", problem)
             return False
+        self.frontends.mark_alive(cmd.frontend)
         try:
             params = sampling_to_params(cmd.sampling)
             token_ids = unpack_token_ids(cmd.token_ids)
             assert token_ids is not None  # NOTE: bad_fields checked it
             self.engine.add_request(cmd.request_id, token_ids, params, cmd.sampling.num_generated)
         except InvalidRequestError as exc:
-            ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "INVALID_ARGUMENT", str(exc)))
+            self.frontends.send(cmd.frontend, RequestErrorEvent(cmd.request_id, "INVALID_ARGUMENT", str(exc)))
             return False
         return True
 
@@ -192,23 +197,24 @@ class WorkerBase:
         return {}
 
     def _heartbeat_loop(self) -> None:
-        """Heartbeats from their own thread and socket, so a long forward pass never looks like a death.
+        """Heartbeats to every front end from their own thread and sockets, so a long forward pass never looks
+        like a death.
 
         NOTE: reads the engine's counters without a lock; a structure changing under the read just skips
         one beat.
         """
-        sock = ipc.connect_push(self.ctx, ipc.router_addr(self.run_dir))
+        links = FrontendLinks(self.ctx, self.run_dir, len(self.frontends))
         while True:
             try:
                 event = self.heartbeat_event()
             except RuntimeError:
                 event = None
             if event is not None:
-                ipc.send(sock, event, wait_ms=0)
+                links.broadcast(event, wait_ms=0)
                 self._write_stats(event)
             if self._heartbeat_stop.wait(self.heartbeat_interval):
                 break
-        sock.close(linger=0)
+        links.close()
 
     def _write_stats(self, event: HeartbeatEvent) -> None:
         """The latest heartbeat as JSON under run_dir/stats/ (read by the status command and tests)."""
@@ -261,7 +267,8 @@ class WorkerBase:
     def _safe_handle(self, msg: Message) -> None:
         try:
             if isinstance(msg, KvSnapshotCmd):  # NOTE: both roles answer it alike; subclasses never see it
-                ipc.send(self.to_router, self.kv_events.snapshot(self.engine.pool))
+                frontend = msg.frontend if self.frontends.valid(msg.frontend) else 0
+                self.frontends.send(frontend, self.kv_events.snapshot(self.engine.pool))
             else:
                 self.handle(msg)
         except Exception:  # NOTE: one bad message must not take the worker down

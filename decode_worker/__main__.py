@@ -12,7 +12,14 @@ from pdserve.decode_worker.worker import DecodeWorker
 
 def _build(cfg: EngineConfig, args: argparse.Namespace, group: RankGroup | None) -> DecodeWorker:
     return DecodeWorker(
-        cfg, args.worker_id, args.run_dir, args.num_prefill, args.transport, args.heartbeat_interval, group=group
+        cfg,
+        args.worker_id,
+        args.run_dir,
+        args.num_prefill,
+        args.transport,
+        args.heartbeat_interval,
+        group=group,
+        num_frontends=args.num_frontends,
     )
 
 

@@ -42,7 +42,6 @@ from pdserve.core.messages import (
     RequestErrorEvent,
     Sampling,
     Timings,
-    TokenBatchEvent,
     TokenEvent,
     sampling_to_params,
     unpack_block_hashes,
@@ -116,8 +115,10 @@ class DecodeWorker(WorkerBase):
         transport: str,
         heartbeat_interval: float = 0.25,
         group: RankGroup | None = None,
+        num_frontends: int = 1,
     ) -> None:
-        super().__init__(worker_id, run_dir, ipc.decode_addr(run_dir, worker_id), heartbeat_interval, group)
+        inbox = ipc.decode_addr(run_dir, worker_id)
+        super().__init__(worker_id, run_dir, inbox, heartbeat_interval, group, num_frontends)
         self.cfg = cfg
         self.kv_pool: KVPool | None = None
         self.engine = Engine(cfg, kv_allocator=self._allocate_pool)
@@ -144,6 +145,9 @@ class DecodeWorker(WorkerBase):
         self.num_blocks_pulled: int = 0  # blocks copied from prefill workers
         self.num_blocks_shared: int = 0  # handed-off blocks found in the local prefix cache instead
         self.timings: dict[str, Timings] = {}  # requests whose first event (it carries these) is not out yet
+        self.frontend_of: dict[str, int] = {}
+        """Request -> the front end that owns it, for each request in the engine (only with several front ends:
+        with one, every event goes to it)."""
 
     def _allocate_pool(self, num_blocks: int) -> torch.Tensor:
         layout = KVLayout.from_engine_config(self.cfg, num_blocks)
@@ -185,6 +189,8 @@ class DecodeWorker(WorkerBase):
             return f"prefill worker {cmd.prefill_worker!r}"
         if not isinstance(cmd.request_id, str) or not isinstance(cmd.pool_id, str) or type(cmd.lease_id) is not int:
             return f"request_id {cmd.request_id!r}, pool_id {cmd.pool_id!r}, lease_id {cmd.lease_id!r}"
+        if not self.frontends.valid(cmd.frontend):
+            return f"{cmd.request_id}: frontend {cmd.frontend!r}"
         ids = unpack_token_ids(cmd.token_ids)
         if not (_is_int_list(cmd.block_ids) and ids is not None and len(ids) and type(cmd.num_prompt_tokens) is int):
             return f"{cmd.request_id}: block_ids, token_ids or num_prompt_tokens"
@@ -199,10 +205,16 @@ class DecodeWorker(WorkerBase):
         """Prefill (what the prefix cache lacks) and decode the request here."""
         if self.add_request(cmd):
             self.timings[cmd.request_id] = Timings(arrival=cmd.timings.arrival, prefill_start=time.time())
+            self._own(cmd.request_id, cmd.frontend)
+
+    def _own(self, request_id: str, frontend: int) -> None:
+        if len(self.frontends) > 1:
+            self.frontend_of[request_id] = frontend
 
     def _abort(self, request_id: str) -> None:
         known = self.engine.abort(request_id) is not None
         self.timings.pop(request_id, None)
+        self.frontend_of.pop(request_id, None)
         for queue in (self.waiting, *self.held.values()):
             for cmd in [c for c in queue if c.request_id == request_id]:
                 queue.remove(cmd)
@@ -275,7 +287,7 @@ class DecodeWorker(WorkerBase):
             dst = self.engine.adopt(cmd.request_id, token_ids, cmd.num_prompt_tokens, state, hashes)
         except InvalidRequestError as exc:
             self._release(cmd)
-            ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "INTERNAL", str(exc)))
+            self.frontends.send(cmd.frontend, RequestErrorEvent(cmd.request_id, "INTERNAL", str(exc)))
             return True
         if dst is None:
             return False
@@ -287,6 +299,7 @@ class DecodeWorker(WorkerBase):
             self._fail_transfer(cmd, exc)
             return True
         self.engine.cache_adopted(cmd.request_id)
+        self._own(cmd.request_id, cmd.frontend)
         log.info(
             "request %s adopted from prefill %d: pulled=%d shared=%d blocks", cmd.request_id, cmd.prefill_worker,
             len(dst.dst), dst.num_shared,
@@ -305,7 +318,8 @@ class DecodeWorker(WorkerBase):
 
     def _fail_transfer(self, cmd: HandoffCmd, exc: Exception) -> None:
         """cmd's blocks cannot come here: the router migrates the request; its lease goes back unless stale."""
-        ipc.send(self.to_router, RequestErrorEvent(cmd.request_id, "UNAVAILABLE", f"KV transfer failed: {exc}"))
+        error = RequestErrorEvent(cmd.request_id, "UNAVAILABLE", f"KV transfer failed: {exc}")
+        self.frontends.send(cmd.frontend, error)
         if not isinstance(exc, StalePoolError):  # NOTE: its lease id may name another lease of the new pool
             self._release(cmd)
 
@@ -427,5 +441,20 @@ class DecodeWorker(WorkerBase):
                 )
             )
         if events:
-            ipc.send(self.to_router, TokenBatchEvent(events))
+            self._send_tokens(events)
         return bool(events)
+
+    def _send_tokens(self, events: list[TokenEvent]) -> None:
+        """Each front end its requests' events (one frame each). With several front ends, the requests of one
+        that took none (it is gone: its streams went with it) are aborted, so their blocks free at once and the
+        next steps do not wait on its socket; with one, they run to their end as before."""
+        failed = self.frontends.send_tokens(events, self.frontend_of)
+        for event in events:
+            if event.finish_reason is not None:
+                self.frontend_of.pop(event.request_id, None)
+        if not failed or len(self.frontends) == 1:
+            return
+        lost = [rid for rid, k in self.frontend_of.items() if k in failed]
+        log.warning("front ends %s took no tokens: aborting their %d requests", failed, len(lost))
+        for request_id in lost:
+            self._abort(request_id)

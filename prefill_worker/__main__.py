@@ -12,7 +12,14 @@ from pdserve.prefill_worker.worker import PrefillWorker
 
 def _build(cfg: EngineConfig, args: argparse.Namespace, group: RankGroup | None) -> PrefillWorker:
     return PrefillWorker(
-        cfg, args.worker_id, args.run_dir, args.num_decode, args.transport, args.heartbeat_interval, group=group
+        cfg,
+        args.worker_id,
+        args.run_dir,
+        args.num_decode,
+        args.transport,
+        args.heartbeat_interval,
+        group=group,
+        num_frontends=args.num_frontends,
     )
 
 

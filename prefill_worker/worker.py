@@ -66,6 +66,8 @@ class _Pending(NamedTuple):
     decode_worker: int
     arrival: float
     prefill_start: float
+    frontend: int
+    """The front end that owns the request (GenerateCmd.frontend): its first token goes there."""
 
 
 class PrefillWorker(WorkerBase):
@@ -84,8 +86,10 @@ class PrefillWorker(WorkerBase):
         heartbeat_interval: float = 0.25,
         lease_ttl: float = 30.0,
         group: RankGroup | None = None,
+        num_frontends: int = 1,
     ) -> None:
-        super().__init__(worker_id, run_dir, ipc.prefill_addr(run_dir, worker_id), heartbeat_interval, group)
+        inbox = ipc.prefill_addr(run_dir, worker_id)
+        super().__init__(worker_id, run_dir, inbox, heartbeat_interval, group, num_frontends)
         self.transport = transport  # one of TRANSPORTS, or AUTO: per decode worker (kvtransfer.base.pair_transport)
         self.lease_ttl = lease_ttl
         self.cfg = cfg
@@ -157,7 +161,7 @@ class PrefillWorker(WorkerBase):
             log.warning("dropped a GenerateCmd for decode worker %r", cmd.decode_worker)
             return
         if self.add_request(cmd):
-            self.pending[cmd.request_id] = _Pending(cmd.decode_worker, cmd.timings.arrival, time.time())
+            self.pending[cmd.request_id] = _Pending(cmd.decode_worker, cmd.timings.arrival, time.time(), cmd.frontend)
 
     # --- handshakes (answered on the HandshakeServer's thread: read only what __init__ fixed) ---------------
     def _open_sources(self, transport: str) -> None:
@@ -221,9 +225,14 @@ class PrefillWorker(WorkerBase):
         # wait on the handoffs (a 1000-token HandoffCmd to encode and send) of the requests before it.
         sent = [(out, self._first_token(out)) for out in outputs]
         self.engine.flush_commits()  # NOTE: the prompts' blocks and rows enter the prefix cache after their tokens left
-        for out, (cmd, timings) in sent:
-            if not out.finished:
+        for out, (cmd, timings, delivered) in sent:
+            if out.finished:
+                continue
+            if delivered or len(self.frontends) == 1:
                 self._hand_off(out, cmd, timings)
+            else:  # NOTE: its front end is gone, and its stream with it: no decode worker needs it
+                self.num_aborted += self.engine.abort(out.request_id) is not None
+                log.warning("request %s aborted: front end %d took no first token", out.request_id, cmd.frontend)
         return bool(outputs)
 
     def after_step(self) -> None:
@@ -232,13 +241,14 @@ class PrefillWorker(WorkerBase):
             log.warning("reclaimed %d blocks of expired leases", len(expired))
             self.engine.release_blocks(expired)
 
-    def _first_token(self, out: RequestOutput) -> tuple[_Pending, Timings]:
-        """Send the request's first token to the router; its pending entry and timings for the handoff."""
+    def _first_token(self, out: RequestOutput) -> tuple[_Pending, Timings, bool]:
+        """Send the request's first token to its front end; its pending entry, timings for the handoff and whether
+        the front end took it."""
         cmd = self.pending.pop(out.request_id)
         now = time.time()
         timings = Timings(arrival=cmd.arrival, prefill_start=cmd.prefill_start, prefill_end=now, first_token=now)
-        ipc.send(
-            self.to_router,
+        delivered = self.frontends.send(
+            cmd.frontend,
             TokenEvent(
                 out.request_id,
                 out.num_output_tokens - len(out.new_token_ids),  # NOTE: > 0 for a migrated request
@@ -252,7 +262,7 @@ class PrefillWorker(WorkerBase):
         )
         if out.finished:
             log.info("request %s finished at prefill: %s", out.request_id, out.finish_reason)
-        return cmd, timings
+        return cmd, timings, delivered
 
     def _hand_off(self, out: RequestOutput, cmd: _Pending, timings: Timings) -> None:
         """Lease the request's blocks to its decode worker and send it the HandoffCmd."""
@@ -270,6 +280,7 @@ class PrefillWorker(WorkerBase):
             sampling=params_to_sampling(req.sampling.params, req.sampling.num_generated),
             timings=timings,
             block_hashes=pack_block_hashes(self.engine.computed_block_hashes(req)),
+            frontend=cmd.frontend,
         )
         self.num_handoffs += 1
         log.info(
@@ -278,8 +289,8 @@ class PrefillWorker(WorkerBase):
         )  # fmt: skip
         if not ipc.send(self.to_decode[cmd.decode_worker], handoff):
             self.engine.release_blocks(self.leases.release([lease_id]))
-            ipc.send(
-                self.to_router,
+            self.frontends.send(
+                cmd.frontend,
                 RequestErrorEvent(req.request_id, "UNAVAILABLE", f"decode worker {cmd.decode_worker} is not reachable"),
             )
 

@@ -17,9 +17,10 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     args = p.parse_args(argv)
     if (error := router_args_error(args)) is not None:
         p.error(error)
+    name = "router" if args.num_frontends == 1 else f"router-{args.frontend}"
     logging.basicConfig(
         level=args.log_level.upper(),
-        format="%(asctime)s router %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
     return config_from_args(args)

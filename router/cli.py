@@ -12,6 +12,9 @@ from pdserve.core.cli import LOG_LEVELS
 from pdserve.router.auth import API_KEY_ENV, EdgeSecurity, SecurityError, exposure_error, read_api_keys
 from pdserve.router.config import RouterConfig
 
+MAX_FRONTENDS = 64
+"""Most router processes of one cluster (a topology gives the router inboxes ports base_port + 0..99)."""
+
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
     """Every flag of the router."""
@@ -48,6 +51,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--busy-poll-ms", type=float, default=0.0, help="after request activity, poll without sleeping this long"
     )
+    # NOTE: internal (set by pdserve-cluster --frontends): this router's index among the router processes that
+    # share the ports (SO_REUSEPORT) and the load counts (router/load_table.py), and their number
+    p.add_argument("--frontend", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--num-frontends", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     add_security_args(p)
 
@@ -81,6 +88,10 @@ def router_args_error(args: argparse.Namespace) -> str | None:
         return "--max-migrations and --max-queued must be >= 0"
     if args.max_queue_skew < 1 or args.local_prefill_threshold < 1:
         return "--max-queue-skew and --local-prefill-threshold must be >= 1"
+    if not 0 <= args.frontend < args.num_frontends or args.num_frontends > MAX_FRONTENDS:
+        return f"--frontend must be in [0, --num-frontends) and --num-frontends in [1, {MAX_FRONTENDS}]"
+    if args.num_frontends > 1 and (args.port == 0 or http_port(args.port, args.http_port) == 0):
+        return "--num-frontends > 1 shares fixed ports: --port and --http-port must not be 0"
     try:
         return exposure_error(args.bind, security_from_args(args))
     except SecurityError as exc:
@@ -114,6 +125,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         busy_poll_s=max(args.busy_poll_ms, 0.0) / 1e3,
         security=security_from_args(args),
         http_port=http_port(args.port, args.http_port),
+        frontend=args.frontend,
+        num_frontends=args.num_frontends,
     )
 
 

@@ -1,5 +1,6 @@
 """`pdserve-cluster` (scripts/launch_cluster.sh): a router, N prefill and M decode workers under supervision
-(router/supervisor.py); with --colocated, the router and M decode workers that prefill their own requests.
+(router/supervisor.py); with --colocated, the router and M decode workers that prefill their own requests; with
+--frontends K, K router processes (router-0..K-1) on the same ports instead of one.
 
 The launcher's own flags are the cluster-level ones below; it hands model, run dir, log level, busy-poll window
 and block size to every process and sets each one's plumbing (--worker-id, --num-prefill, ports, its role's
@@ -21,8 +22,9 @@ from typing import NamedTuple
 from pdserve.core.busy_poll import busy_poll_seconds
 from pdserve.core.curve import KEYS_FILE, ClusterKeys
 from pdserve.core.ipc import TOPOLOGY_FILE
-from pdserve.router.cli import LOG_LEVELS
+from pdserve.router.cli import LOG_LEVELS, MAX_FRONTENDS
 from pdserve.router.cluster_flags import CHILD_CLIS, ROUTER, WORKER, ArgvError, ChildCli, split_flags
+from pdserve.router.load_table import remove_tables
 from pdserve.router.placement import Mps, gpu_lists, placement, read_topology, roles_share_a_gpu
 from pdserve.router.status import RUN_DIR_PREFIX
 from pdserve.router.supervisor import Child, Supervisor
@@ -55,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="the workers' device: cpu | cuda | cuda:N")
     p.add_argument("--port", type=int, default=50051, help="the router's gRPC port (0: a free one)")
     p.add_argument("--bind", default="127.0.0.1", help="the router's gRPC host")
+    p.add_argument(
+        "--frontends", type=int, default=1,
+        help="router processes (router-0..K-1) sharing the gRPC and HTTP ports (SO_REUSEPORT), each serving the "
+        "streams of its own connections; their metrics ports follow the workers' (default 1: one router)",
+    )  # fmt: skip
     p.add_argument("--run-dir", default=None, help="ipc sockets, logs, stats (default: a new temp dir)")
     p.add_argument(
         "--colocated",
@@ -149,6 +156,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--prefill must be >= 1 (or use --colocated)")
     if args.decode < 1:
         p.error("--decode must be >= 1")
+    if not 1 <= args.frontends <= MAX_FRONTENDS or (args.frontends > 1 and args.port == 0):
+        p.error(f"--frontends must be in [1, {MAX_FRONTENDS}], and more than 1 need a fixed --port (not 0)")
     try:
         args.topology_hosts = read_topology(Path(args.topology), args.prefill, args.decode) if args.topology else None
         args.prefill_tp, args.decode_tp = _tp_sizes(args)
@@ -157,10 +166,17 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.mps_shares = _mps_shares(args.mps_split)
     except ValueError as exc:
         p.error(str(exc))
-    names = {"router", *(f"prefill-{i}" for i in range(args.prefill)), *(f"decode-{j}" for j in range(args.decode))}
-    args.wanted = {r.strip() for r in args.roles.split(",") if r.strip()} if args.roles else names
-    if unknown := args.wanted - names:
+    routers = router_names(args.frontends)
+    names = {*routers, *(f"prefill-{i}" for i in range(args.prefill)), *(f"decode-{j}" for j in range(args.decode))}
+    wanted = {r.strip() for r in args.roles.split(",") if r.strip()} if args.roles else names
+    if unknown := wanted - names - {"router"}:
         p.error(f"--roles: unknown roles {sorted(unknown)}")
+    args.wanted = (wanted - {"router"}) | set(routers) if "router" in wanted else wanted  # NOTE: router: every one
+
+
+def router_names(num_frontends: int) -> list[str]:
+    """The router processes' names: router, or router-0..K-1 for K front ends."""
+    return ["router"] if num_frontends == 1 else [f"router-{k}" for k in range(num_frontends)]
 
 
 def _tp_sizes(args: argparse.Namespace) -> tuple[int, int]:
@@ -197,11 +213,11 @@ def plan_cluster(args: argparse.Namespace, rest: list[str], run_dir: Path) -> Cl
     for child in children:
         child.argv += shares[cli_of(child).kind]
         parsed[child.name] = cli_of(child).parse(child.argv[CHILD_PREFIX:])
-    return ClusterPlan([c for c in children if c.name in args.wanted], parsed["router"].grace)
+    return ClusterPlan([c for c in children if c.name in args.wanted], parsed[children[0].name].grace)
 
 
 def cli_of(child: Child) -> ChildCli:
-    return ROUTER if child.name == "router" else WORKER
+    return ROUTER if child.role == "router" else WORKER
 
 
 def build_children(args: argparse.Namespace, run_dir: Path) -> list[Child]:
@@ -212,10 +228,16 @@ def build_children(args: argparse.Namespace, run_dir: Path) -> list[Child]:
     common = ["--model", args.model, "--run-dir", str(run_dir), "--log-level", args.log_level]
     common += ["--busy-poll-ms", f"{busy_poll_ms:g}", "--block-size", str(args.block_size)]
     router = [py, "-m", "pdserve.router", *common, "--port", str(args.port), "--bind", args.bind]
-    router += ["--prefill", str(args.prefill), "--decode", str(args.decode), *_metrics_flag(args, 0)]
-    children = [Child("router", router, logs / "router.log")]
+    router += ["--prefill", str(args.prefill), "--decode", str(args.decode)]
+    children = []
+    for k, name in enumerate(router_names(args.frontends)):
+        plumbing = [] if args.frontends == 1 else ["--frontend", str(k), "--num-frontends", str(args.frontends)]
+        metrics = _metrics_flag(args, 0 if k == 0 else args.prefill + args.decode + k)
+        children.append(Child(name, [*router, *plumbing, *metrics], logs / f"{name}.log"))
     worker = [*common, "--device", args.device, "--num-prefill", str(args.prefill), "--num-decode", str(args.decode)]
     worker += ["--cpu-threads", str(cpu_threads(args))]
+    if args.frontends > 1:
+        worker += ["--num-frontends", str(args.frontends)]
     for role, count in (("prefill", args.prefill), ("decode", args.decode)):
         for i in range(count):
             offset = 1 + i + (args.prefill if role == "decode" else 0)
@@ -240,13 +262,13 @@ def cpu_threads(args: argparse.Namespace) -> int:
     """
     if args.cpu_threads is not None:
         return int(args.cpu_threads)
-    ranks_here = sum(tp_size(args, name.split("-")[0]) for name in args.wanted if name != "router")
+    ranks_here = sum(tp_size(args, name.split("-")[0]) for name in args.wanted if not name.startswith("router"))
     return max(1, len(os.sched_getaffinity(0)) // max(ranks_here, 1))
 
 
 def _metrics_flag(args: argparse.Namespace, offset: int) -> list[str]:
-    """--metrics-port of the child at offset (router 0, prefill i 1+i, decode j 1+P+j); 0 stays 0 (any free
-    port), a negative base turns metrics off."""
+    """--metrics-port of the child at offset (router 0, prefill i 1+i, decode j 1+P+j, front end k > 0 P+D+k);
+    0 stays 0 (any free port), a negative base turns metrics off."""
     if args.metrics_port < 0:
         return []
     return ["--metrics-port", str(args.metrics_port + offset if args.metrics_port else 0)]
@@ -258,7 +280,7 @@ def cluster_keys(args: argparse.Namespace) -> ClusterKeys | None:
     if args.topology is None:
         return None
     path = Path(args.cluster_keys or Path(args.topology).with_suffix(".keys"))
-    if not path.exists() and "router" in args.wanted:
+    if not path.exists() and any(name.startswith("router") for name in args.wanted):
         try:
             ClusterKeys.make().write(path)
             print(f"pdserve-cluster: made the cluster's CURVE keys {path}: copy it to every host", file=sys.stderr)
@@ -298,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir.rmdir()
         parser.error(str(exc))
     make_run_dir(run_dir)
+    remove_tables(run_dir)  # NOTE: a reused run dir's load counts are of front ends that are gone
     if args.topology_hosts is not None:  # NOTE: every process reads both from its run dir (core/ipc.py)
         (run_dir / TOPOLOGY_FILE).write_text(json.dumps(asdict(args.topology_hosts)))
         (run_dir / KEYS_FILE).unlink(missing_ok=True)

@@ -59,6 +59,11 @@ class RouterConfig:
     """OpenAI-compatible HTTP API (router/http_api.py) on bind:http_port, with the gRPC port's TLS and API keys;
     0 picks a free one (the ready line names it); None: no HTTP."""
 
+    frontend: int = 0
+    """This router process's index among the cluster's front ends (its inbox: core/ipc.py router_addr)."""
+    num_frontends: int = 1
+    """Router processes sharing the gRPC and HTTP ports (SO_REUSEPORT) and the load counts (router/load_table.py)."""
+
     @property
     def colocated(self) -> bool:
         return self.num_prefill == 0

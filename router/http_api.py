@@ -197,9 +197,10 @@ class HttpServer:
         self.server = EmbeddedServer(config)
         self.task: asyncio.Task[None] | None = None
 
-    async def start(self, bind: str, port: int) -> int:
-        """Listen on bind:port (0 picks a free one); the port. OSError when it cannot."""
-        sock = listening_socket(bind, port)
+    async def start(self, bind: str, port: int, reuse_port: bool = False) -> int:
+        """Listen on bind:port (0 picks a free one; reuse_port: shared with the other front ends); the port.
+        OSError when it cannot."""
+        sock = listening_socket(bind, port, reuse_port)
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
         while not self.server.started:
             if self.task.done():
@@ -219,14 +220,18 @@ LISTEN_BACKLOG = 2048
 """Connections the kernel queues before uvicorn accepts them (uvicorn's own default)."""
 
 
-def listening_socket(bind: str, port: int) -> socket.socket:
-    """A TCP listener on bind:port (0 picks a free one). NOTE: made with proto IPPROTO_TCP: asyncio sets
-    TCP_NODELAY only on connections of such a socket (socket.create_server's proto 0 leaves Nagle on, and a
-    response's headers then hold its first SSE chunk back until the client's delayed ACK, ~40 ms)."""
+def listening_socket(bind: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A TCP listener on bind:port (0 picks a free one); reuse_port: SO_REUSEPORT, so that the router processes
+    of one cluster listen on one port and the kernel spreads new connections over them. NOTE: made with proto
+    IPPROTO_TCP: asyncio sets TCP_NODELAY only on connections of such a socket (socket.create_server's proto 0
+    leaves Nagle on, and a response's headers then hold its first SSE chunk back until the client's delayed ACK,
+    ~40 ms)."""
     family = socket.AF_INET6 if ":" in bind else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((bind, port))
         sock.listen(LISTEN_BACKLOG)
     except OSError:

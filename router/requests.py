@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pdserve.core.messages import RequestErrorEvent, Sampling, TokenEvent
+from pdserve.router.load_table import NUM_AT_DECODE, NUM_AT_PREFILL, RESERVED_AT_DECODE, TOKENS_AT_PREFILL, SharedLoads
 from pdserve.router.routing import PrefillLoad
 
 
@@ -70,9 +72,15 @@ class TrackedRequest:
 
 
 class RequestTable:
-    """Request id -> TrackedRequest (and worker-side id -> the same), plus per-worker counts for dispatch."""
+    """Request id -> TrackedRequest (and worker-side id -> the same), plus per-worker counts for dispatch.
 
-    def __init__(self) -> None:
+    The counters are this router process's own; with several front ends, each change is also published in this
+    front end's row of `shared` (router/load_table.py), and the loads dispatch reads (prefill_load,
+    decode_counts, decode_reserved) are the sums over every front end's row.
+    """
+
+    def __init__(self, shared: SharedLoads | None = None) -> None:
+        self.shared = shared
         self.requests: dict[str, TrackedRequest] = {}
         self.by_worker_id: dict[str, TrackedRequest] = {}
         self.num_at_prefill: Counter[int] = Counter()
@@ -113,6 +121,8 @@ class RequestTable:
         self.tokens_at_prefill[prefill_worker] += prefill_tokens
         self.num_at_decode[decode_worker] += 1
         self.reserved_at_decode[decode_worker] += reserved_blocks
+        self._publish_prefill(prefill_worker)
+        self._publish_decode(decode_worker)
 
     def unplace(self, req: TrackedRequest) -> None:
         """Take req's current attempt off its workers' counts (it is lost, or it ended); once only."""
@@ -122,12 +132,24 @@ class RequestTable:
         self.mark_past_prefill(req)
         self.num_at_decode[req.decode_worker] -= 1
         self.reserved_at_decode[req.decode_worker] -= req.reserved_blocks
+        self._publish_decode(req.decode_worker)
 
     def mark_past_prefill(self, req: TrackedRequest) -> None:
         if req.at_prefill:
             req.at_prefill = False
             self.num_at_prefill[req.prefill_worker] -= 1
             self.tokens_at_prefill[req.prefill_worker] -= req.prefill_tokens
+            self._publish_prefill(req.prefill_worker)
+
+    def _publish_prefill(self, worker: int) -> None:
+        if self.shared is not None:
+            self.shared.write(NUM_AT_PREFILL, worker, self.num_at_prefill[worker])
+            self.shared.write(TOKENS_AT_PREFILL, worker, self.tokens_at_prefill[worker])
+
+    def _publish_decode(self, worker: int) -> None:
+        if self.shared is not None:
+            self.shared.write(NUM_AT_DECODE, worker, self.num_at_decode[worker])
+            self.shared.write(RESERVED_AT_DECODE, worker, self.reserved_at_decode[worker])
 
     def close(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -135,8 +157,19 @@ class RequestTable:
             self.unplace(req)
 
     def prefill_load(self) -> dict[int, PrefillLoad]:
-        """Per prefill worker: prompt tokens to compute and requests not past prefill (the router's own count)."""
-        return {w: PrefillLoad(self.tokens_at_prefill[w], n) for w, n in self.num_at_prefill.items()}
+        """Per prefill worker: prompt tokens to compute and requests not past prefill (every front end's)."""
+        if self.shared is None:
+            return {w: PrefillLoad(self.tokens_at_prefill[w], n) for w, n in self.num_at_prefill.items()}
+        tokens, nums = self.shared.totals(TOKENS_AT_PREFILL).tolist(), self.shared.totals(NUM_AT_PREFILL).tolist()
+        return {w: PrefillLoad(t, n) for w, (t, n) in enumerate(zip(tokens[:-1], nums[:-1], strict=True)) if n}
+
+    def decode_counts(self) -> Mapping[int, int]:
+        """Per decode worker: requests assigned to it (every front end's)."""
+        return self.num_at_decode if self.shared is None else _by_worker(self.shared.totals(NUM_AT_DECODE))
+
+    def decode_reserved(self) -> Mapping[int, int]:
+        """Per decode worker: KV blocks reserved there (every front end's; router/admission.py)."""
+        return self.reserved_at_decode if self.shared is None else _by_worker(self.shared.totals(RESERVED_AT_DECODE))
 
     def awaiting_prefill(self, worker: int) -> list[TrackedRequest]:
         """Requests that still need prefill worker `worker`: not prefilled yet, or prefilled and their handoff
@@ -146,3 +179,8 @@ class RequestTable:
     def at_decode(self, worker: int) -> list[TrackedRequest]:
         """Requests assigned to decode worker `worker`, whether or not their handoff happened yet."""
         return [r for r in self.requests.values() if r.decode_worker == worker]
+
+
+def _by_worker(totals: np.ndarray) -> Counter[int]:
+    """[num_slots] column sums as worker -> count (the last slot, COLOCATED's, left out)."""
+    return Counter(dict(enumerate(totals[:-1].tolist())))

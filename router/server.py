@@ -90,6 +90,9 @@ class RouterServer:
         self.path = RequestPath(model, tokenizer, self.hub, cfg.max_migrations, self.metrics)
         servicer = GenerationServicer(self.path, cfg.block_size)
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), *PENDING_CALL_LIMITS]
+        # NOTE: SO_REUSEPORT only where front ends share the port (the kernel spreads connections over them); gRPC
+        # sets it by default, which would let another process silently take a share of a lone router's port
+        options.append(("grpc.so_reuseport", int(cfg.num_frontends > 1)))
         # NOTE: the API-key check runs first: a refused call is never accounted nor seen by the servicer
         interceptors = [*auth.interceptors(cfg.security), servicer.accounting()]
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
@@ -105,7 +108,12 @@ class RouterServer:
         self.http_port = 0
 
     async def start(self) -> int:
-        """Listen (port 0 picks one) and start talking to the workers; the port."""
+        """Listen (port 0 picks one) and start talking to the workers; the port. One of several front ends
+        listens only once it serves (a worker of each role up): the kernel hands a shared port's new connections
+        to every listener alike, and one that cannot serve yet (a restarted front end) would refuse its share."""
+        if self.cfg.num_frontends > 1:
+            self.hub.start()
+            await self.hub.serving.wait()
         self.port = auth.add_port(self.server, self.cfg.bind, self.cfg.address, self.cfg.security)
         if self.port == 0:
             raise OSError(f"cannot listen on {self.cfg.address}")
@@ -114,13 +122,19 @@ class RouterServer:
         await self.server.start()
         if self.http is not None:
             assert self.cfg.http_port is not None
-            self.http_port = await self.http.start(self.cfg.bind, self.cfg.http_port)
-        self.hub.start()
+            self.http_port = await self.http.start(self.cfg.bind, self.cfg.http_port, self.cfg.num_frontends > 1)
+        if self.cfg.num_frontends == 1:
+            self.hub.start()
         if self.cfg.metrics_port is not None:
-            port = self.metrics.serve(self.cfg.metrics_port, Path(self.cfg.run_dir) / "metrics" / "router.port")
+            port = self.metrics.serve(self.cfg.metrics_port, Path(self.cfg.run_dir) / "metrics" / f"{self.name}.port")
             log.info("metrics on http://127.0.0.1:%d/metrics", port)
         log.info("froze %d startup objects out of the garbage collector's scans", freeze_startup_heap(self.gc_pauses))
         return self.port
+
+    @property
+    def name(self) -> str:
+        """router, or router-{k} for front end k of several (the supervisor's name for this process)."""
+        return "router" if self.cfg.num_frontends == 1 else f"router-{self.cfg.frontend}"
 
     @property
     def address(self) -> str:

@@ -5,7 +5,9 @@
 
 Reads {run_dir}/status.json (the supervisor, every 0.1 s: name, pid, TP ranks, state, restarts, uptime_s and
 log of each role) and {run_dir}/stats/{role}-{i}.json (each worker's latest heartbeat: KV blocks, running and
-waiting requests, counters). Exit status 1 when there is no status to show or the supervisor that wrote it is gone.
+waiting requests, counters) and {run_dir}/metrics/{role}.port (each process's Prometheus port, in --json: every
+router process of a cluster with several front ends, router-0..K-1, serves its own).
+Exit status 1 when there is no status to show or the supervisor that wrote it is gone.
 Standard library only: the router package never imports torch.
 """
 
@@ -48,6 +50,8 @@ class RoleStatus:
     """The heartbeat of this very process (same pid); None for the router and until a new one beats."""
     stats_age_s: float | None
     """Seconds since that heartbeat was written."""
+    metrics_port: int | None = None
+    """The Prometheus port the process (its latest incarnation) serves, None without metrics."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,13 @@ def read_stats(path: Path, pid: int | None, now: float) -> tuple[dict[str, Any] 
     return stats, round(age, 1)
 
 
+def read_port(path: Path) -> int | None:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def load_status(run_dir: Path) -> ClusterStatus:
     """Merge status.json with the stats files; FileNotFoundError when the supervisor never wrote one."""
     raw = json.loads((run_dir / "status.json").read_text())
@@ -98,7 +109,8 @@ def load_status(run_dir: Path) -> ClusterStatus:
         stats, age = read_stats(run_dir / "stats" / f"{role['name']}.json", role["pid"], now)
         head = (role["name"], role["pid"], role["state"], int(role["restarts"]), float(role["uptime_s"]), role["log"])
         ranks = tuple(int(pid) for pid in role.get("ranks", []))  # NOTE: absent from an older supervisor's file
-        roles.append(RoleStatus(*head, ranks=ranks, stats=stats, stats_age_s=age))
+        port = read_port(run_dir / "metrics" / f"{role['name']}.port")
+        roles.append(RoleStatus(*head, ranks=ranks, stats=stats, stats_age_s=age, metrics_port=port))
     pid = int(raw["pid"])
     return ClusterStatus(str(run_dir), pid, pid_alive(pid), bool(raw["ready"]), tuple(roles))
 

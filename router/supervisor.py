@@ -74,7 +74,7 @@ class Child:
     """One supervised process."""
 
     name: str
-    """"router", "prefill-0", "decode-1", ..."""
+    """"router" (or "router-0", "router-1", ... for several front ends), "prefill-0", "decode-1", ..."""
     argv: list[str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
@@ -230,15 +230,16 @@ class Supervisor:
                 self._update_ready(child)
         if self.ready:
             return
-        router = next((c for c in self.children if c.name == "router"), None)
-        if router is not None and router.ready:
+        routers = [c for c in self.children if c.role == "router"]
+        if routers and all(c.ready for c in routers):  # NOTE: every front end; they share one address
             self.ready = True
+            router = routers[0]
             log_text = router.log_text_since_start()
             served = _served_address(log_text) or address  # NOTE: --port 0 picks a free port
             self.http_url = _served_http_url(log_text)
             http = "" if self.http_url is None else f", OpenAI-compatible HTTP on {self.http_url}"
             print(f"pdserve cluster ready on {served} (run dir {self.run_dir}){http}", flush=True)
-        elif router is None and all(c.ready for c in self.children):  # NOTE: a host of workers only (--roles)
+        elif not routers and all(c.ready for c in self.children):  # NOTE: a host of workers only (--roles)
             self.ready = True
             names = ", ".join(c.name for c in self.children)
             print(f"pdserve workers ready: {names} (run dir {self.run_dir})", flush=True)
@@ -252,7 +253,7 @@ class Supervisor:
     def _is_ready(self, child: Child) -> bool:
         """Whether child's current process became ready (it may have exited since); a worker's ready heartbeat
         also gives its TP ranks."""
-        if child.name == "router":
+        if child.role == "router":
             # NOTE: logs are appended to: only what this process wrote counts (a reused run dir holds old lines)
             return _served_address(child.log_text_since_start()) is not None
         beat = self._heartbeat(child)
@@ -282,8 +283,8 @@ class Supervisor:
     def _shutdown(self) -> None:
         # NOTE: the router first: it refuses new calls and lets streams in flight finish within its grace,
         # which needs the workers still up; only then are the workers stopped.
-        router = [c for c in self.children if c.name == "router"]
-        workers = [c for c in self.children if c.name != "router"]
+        router = [c for c in self.children if c.role == "router"]
+        workers = [c for c in self.children if c.role != "router"]
         terminate(router, self.grace + STOP_MARGIN_S)
         terminate(workers, STOP_MARGIN_S)
         if self.mps is not None:

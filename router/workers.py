@@ -7,6 +7,11 @@ first heartbeat and down after `heartbeat_timeout` seconds without one, or when 
 restarted). Losing a decode worker fails every request assigned to it and tells every prefill worker to
 reclaim its leases; losing a prefill worker fails the requests that have not produced a token yet.
 
+Several front ends (cfg.num_frontends > 1): front end k binds router-{k}.sock; its GenerateCmds name k, so the
+workers send those requests' events there, and heartbeats to every front end. Each front end has its own
+liveness and prefix index (every worker's KV events reach each SUB), and the load counts of routing and
+admission are the sums over all of them (router/load_table.py).
+
 KV cache events: every worker publishes its prefix-cache changes on {role}-{i}.kv.sock (PUB); one SUB socket
 here receives them all into `prefix_index` (router/prefix_index.py). A worker is asked for a snapshot
 (KvSnapshotCmd; it answers with KvSnapshotEvent in the inbox) when it comes up or restarts, when its batches
@@ -52,6 +57,7 @@ from pdserve.router.busy_poll import BusyPoll
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch import COLOCATED, Assignment, ClusterView, Dispatcher, NoWorkerError
 from pdserve.router.liveness import Change, LayoutMismatch, Liveness, Role, WorkerState
+from pdserve.router.load_table import SharedLoads
 from pdserve.router.prefix_index import PrefixIndex, WorkerKey
 from pdserve.router.requests import DuplicateRequestError, RequestTable, TrackedRequest, WorkerLost, attempt_id
 
@@ -67,7 +73,7 @@ class WorkerHub:
         self.cfg = cfg
         self.ctx = zmq.Context()
         self.actx = zmq.asyncio.Context.shadow(self.ctx)
-        self.inbox = _bind_pull(self.actx, ipc.router_addr(cfg.run_dir))
+        self.inbox = _bind_pull(self.actx, ipc.router_addr(cfg.run_dir, cfg.frontend))
         self.to_prefill = [ipc.connect_push(self.ctx, ipc.prefill_addr(cfg.run_dir, i)) for i in range(cfg.num_prefill)]
         self.to_decode = [ipc.connect_push(self.ctx, ipc.decode_addr(cfg.run_dir, j)) for j in range(cfg.num_decode)]
         expected = {"block_size": cfg.block_size} if cfg.block_size else {}
@@ -79,7 +85,7 @@ class WorkerHub:
         self.dispatcher = Dispatcher(cfg, self.prefix_index)
         self._refused: dict[tuple[str, int], str] = {}  # (role, worker) -> incarnation refused for its layout
         self._snapshot_asked: dict[WorkerKey, float] = {}  # when each out-of-sync worker was last asked
-        self.table = RequestTable()
+        self.table = RequestTable(_shared_loads(cfg))
         self.admission = AdmissionQueue(cfg.max_queued)
         self.busy_poll = BusyPoll(cfg.busy_poll_s, lambda: len(self.table))
         self.num_migrations = 0
@@ -185,12 +191,12 @@ class WorkerHub:
         live, table = self.liveness, self.table
         decode_up = live.up("decode")
         if need:
-            total = live.total_blocks("decode")
-            decode_up = [j for j in decode_up if table.reserved_at_decode[j] + min(need, total[j]) <= total[j]]
+            total, reserved = live.total_blocks("decode"), table.decode_reserved()
+            decode_up = [j for j in decode_up if reserved[j] + min(need, total[j]) <= total[j]]
             if not decode_up and live.up("decode"):
                 raise NoRoomError("no decode worker has KV room for the request now")
         view = ClusterView(
-            live.up("prefill"), decode_up, table.prefill_load(), table.num_at_decode, live.free_blocks("decode")
+            live.up("prefill"), decode_up, table.prefill_load(), table.decode_counts(), live.free_blocks("decode")
         )
         return self.dispatcher.assign(worker_request_id, token_ids, view)
 
@@ -202,7 +208,8 @@ class WorkerHub:
     def _send_generate(self, req: TrackedRequest, token_ids: np.ndarray, sampling: Sampling) -> bool:
         """GenerateCmd for req's current attempt to its prefill worker (colocated: its decode worker)."""
         packed = pack_token_ids(token_ids)
-        cmd = GenerateCmd(req.worker_request_id, packed, sampling, req.decode_worker, Timings(arrival=req.arrival))
+        timings = Timings(arrival=req.arrival)
+        cmd = GenerateCmd(req.worker_request_id, packed, sampling, req.decode_worker, timings, self.cfg.frontend)
         if req.prefill_worker == COLOCATED:
             return ipc.send(self.to_decode[req.decode_worker], cmd)
         return ipc.send(self.to_prefill[req.prefill_worker], cmd)
@@ -322,7 +329,7 @@ class WorkerHub:
             return
         self._snapshot_asked[key] = now
         sock = self.to_prefill[key.worker_id] if key.role == "prefill" else self.to_decode[key.worker_id]
-        ipc.send(sock, KvSnapshotCmd(), wait_ms=0)
+        ipc.send(sock, KvSnapshotCmd(self.cfg.frontend), wait_ms=0)
 
     def _retry_snapshots(self, now: float) -> None:
         """Ask every up worker the index is not in sync with (NOTE: also one it has heard nothing from: the ask
@@ -354,6 +361,8 @@ class WorkerHub:
             now = time.monotonic()
             self._apply(self.liveness.expire(now))
             self._retry_snapshots(now)
+            if self.admission and self.table.shared is not None:
+                self.admission.notify()  # NOTE: room another front end frees shows only in the shared sums
 
     def _apply(self, changes: list[Change]) -> None:
         for change in changes:
@@ -389,9 +398,16 @@ class WorkerHub:
         reqs = self.table.at_decode(worker) if role == "decode" else self.table.awaiting_prefill(worker)
         for req in reqs:
             req.inbox.put_nowait(WorkerLost(req.attempt, "UNAVAILABLE", f"{role} worker {worker} {what}"))
-        if role == "decode":
+        if role == "decode" and self.cfg.frontend == 0:  # NOTE: one reclaim per loss, as with one front end
             for sock in self.to_prefill:
                 ipc.send(sock, DecodeWorkerLostCmd(worker))
+
+
+def _shared_loads(cfg: RouterConfig) -> SharedLoads | None:
+    """This front end's row of the cluster's load table (None with one front end: its own counts are all)."""
+    if cfg.num_frontends == 1:
+        return None
+    return SharedLoads.open(cfg.run_dir, cfg.num_frontends, cfg.frontend, cfg.num_prefill, cfg.num_decode)
 
 
 def _connect_sub(ctx: zmq.asyncio.Context, addrs: list[str]) -> zmq.asyncio.Socket:

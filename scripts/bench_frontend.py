@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
-"""The front end's ceiling: one router process between mock workers that stream as fast as they can
-(router/benchmark/mock_worker.py, no model) and client processes that drive closed-loop streams, at each
-concurrency level; per level responses/s (gRPC messages or SSE chunks), output tokens/s, completed requests/s and
-TTFT p50/p99, as a table and as JSON with the host's facts and the command line.
+"""The front end's ceiling: one router process (or --frontends K on one port) between mock workers that stream as
+fast as they can (router/benchmark/mock_worker.py, no model) and client processes that drive closed-loop streams,
+at each concurrency level; per level responses/s (gRPC messages or SSE chunks), output tokens/s, completed
+requests/s and TTFT p50/p99, as a table and as JSON with the host's facts and the command line.
 
     python scripts/bench_frontend.py --model MODEL_DIR --concurrency 1,16,64,256,1024 --output-len 128 \\
         --prefill 1 --decode 2 --client-processes 8 --result-json bench/out/frontend_grpc.json
 
 --backend openai drives the router's HTTP door instead (POST /v1/completions, SSE) at the URL its ready line names.
+--frontends K starts K router processes on one gRPC and one HTTP port (SO_REUSEPORT; pdserve-cluster --frontends),
+the mock workers sending each request's tokens to its own front end; each gRPC client process then opens
+--grpc-channels connections (default 1 for one router, 4 per front end otherwise), so that the kernel spreads them.
 The model folder gives the router its tokenizer
 (detokenizing is part of the front end's work) and the prompts their vocabulary; its weights are never read.
 """
@@ -20,6 +23,7 @@ import json
 import os
 import platform
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -64,6 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=1, help="mock prefill workers")
     p.add_argument("--decode", type=int, default=1, help="mock decode workers")
     p.add_argument("--step-ms", type=float, default=0.0, help="mock decode: least time between steps (0: none)")
+    p.add_argument("--frontends", type=int, default=1, help="router processes sharing the ports (SO_REUSEPORT)")
+    p.add_argument(
+        "--grpc-channels", type=int, default=None,
+        help="gRPC connections per client process (default: 1 for one router, else 4 per front end)",
+    )  # fmt: skip
     cores = os.cpu_count() or 1
     p.add_argument(
         "--client-processes", type=int, default=max(1, min(8, cores // 2)), help="most load processes per level"
@@ -72,26 +81,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--result-json", default=None, help="write the results here")
     args = p.parse_args(argv)
     args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    if not args.levels or min(args.levels) < 1 or args.prefill < 0 or args.decode < 1:
-        p.error("--concurrency needs levels >= 1; --prefill >= 0 and --decode >= 1")
+    if not args.levels or min(args.levels) < 1 or args.prefill < 0 or args.decode < 1 or args.frontends < 1:
+        p.error("--concurrency needs levels >= 1; --prefill >= 0, --decode >= 1 and --frontends >= 1")
+    if args.grpc_channels is None:
+        args.grpc_channels = 1 if args.frontends == 1 else 4 * args.frontends
     return args
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class FrontEnd:
-    """One router and its mock workers, in a fresh run dir; logs go to run_dir/*.log."""
+    """The router process(es) and their mock workers, in a fresh run dir; logs go to run_dir/*.log."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.run_dir = Path(tempfile.mkdtemp(prefix="pdserve-frontend-"))
         self.procs: list[subprocess.Popen[str]] = []
         mock = [sys.executable, "-m", "pdserve.router.benchmark.mock_worker", "--run-dir", str(self.run_dir)]
-        mock += ["--step-ms", str(args.step_ms)]
+        mock += ["--step-ms", str(args.step_ms), "--num-frontends", str(args.frontends)]
         for role, count in (("prefill", args.prefill), ("decode", args.decode)):
             for i in range(count):
                 self._start(f"{role}-{i}", [*mock, "--role", role, "--worker-id", str(i)])
         router = [sys.executable, "-m", "pdserve.router", "--model", args.model, "--run-dir", str(self.run_dir)]
-        router += ["--port", "0", "--prefill", str(args.prefill), "--decode", str(args.decode), "--block-size", "16"]
-        router += ["--log-level", "WARNING", *args.router_arg]
-        self.router = self._start("router", router, stdout=subprocess.PIPE)
+        router += ["--prefill", str(args.prefill), "--decode", str(args.decode), "--block-size", "16"]
+        router += ["--log-level", "WARNING"]
+        if args.frontends == 1:
+            router += ["--port", "0"]
+        else:  # NOTE: the front ends share fixed ports
+            router += ["--port", str(free_port()), "--http-port", str(free_port())]
+            router += ["--num-frontends", str(args.frontends)]
+        self.routers = []
+        for k in range(args.frontends):
+            plumbing = [] if args.frontends == 1 else ["--frontend", str(k)]
+            name = "router" if args.frontends == 1 else f"router-{k}"
+            self.routers.append(self._start(name, [*router, *plumbing, *args.router_arg], stdout=subprocess.PIPE))
         self.address, self.http_url = self._wait_ready()
 
     def _start(self, name: str, argv: list[str], stdout: Any = None) -> subprocess.Popen[str]:
@@ -101,18 +127,19 @@ class FrontEnd:
         return proc
 
     def _wait_ready(self) -> tuple[str, str | None]:
-        """The router's gRPC address and HTTP URL (None: no HTTP door), from its ready line."""
+        """The routers' gRPC address and HTTP URL (None: no HTTP door), from their ready lines (all of them)."""
         found: list[str] = []
 
-        def read() -> None:
-            assert self.router.stdout is not None
-            for line in self.router.stdout:
+        def read(router: subprocess.Popen[str]) -> None:
+            assert router.stdout is not None
+            for line in router.stdout:
                 if line.startswith(READY_MARK):
                     found.append(line)
 
-        threading.Thread(target=read, daemon=True).start()
+        for router in self.routers:
+            threading.Thread(target=read, args=(router,), daemon=True).start()
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not found:
+        while len(found) < len(self.routers):
             if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
                 self.stop()
                 raise RuntimeError(f"the router did not get ready; logs in {self.run_dir}")
@@ -200,10 +227,12 @@ def main(argv: list[str] | None = None) -> int:
     if address is None:
         front.stop()
         raise SystemExit("the router has no HTTP door (its ready line names no URL)")
-    config = RunConfig(address, show_progress=False, backend=args.backend, model_name=model.name)
+    config = RunConfig(address, show_progress=False, backend=args.backend, model_name=model.name,
+                       grpc_channels=args.grpc_channels)  # fmt: skip
     levels = []
+    routers = "one router" if args.frontends == 1 else f"{args.frontends} routers on one port"
     print(
-        f"{args.backend} door of one router; {args.prefill} prefill + {args.decode} decode mock workers; "
+        f"{args.backend} door of {routers}; {args.prefill} prefill + {args.decode} decode mock workers; "
         f"{args.input_len} in / {args.output_len} out tokens; {args.duration:g} s per level\n{table_header()}"
     )
     try:

@@ -173,10 +173,15 @@ async def router_with_fakes(
         **cfg_kw,
     )  # fmt: skip
     router = RouterServer(cfg)
-    await router.start()
     for fake in (prefill, decode_):
         fake.heartbeating = heartbeat
-        fake.start()
+    if cfg.num_frontends > 1:  # NOTE: one of several front ends listens only once it sees workers
+        prefill.start()
+        decode_.start()
+    await router.start()
+    if cfg.num_frontends == 1:
+        prefill.start()
+        decode_.start()
     try:
         if heartbeat:
             await asyncio.wait_for(router.wait_ready(), 5.0)

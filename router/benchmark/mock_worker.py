@@ -9,6 +9,8 @@ tokens as fast as it is told to.
   A GenerateCmd (colocated, --prefill 0 at the router) starts a request here with its first token.
 
 Output token k of a request is prompt token k mod the prompt's length: always an id the tokenizer knows.
+With `--num-frontends K` each request's events go to the front end its GenerateCmd names (one TokenBatchEvent per
+front end a step), heartbeats to all, as the real workers do (core/frontend_links.py).
 Heartbeats report `--num-blocks` free blocks of `--block-size`, so the router's KV admission never waits.
 NOTE: no torch here; one thread, blocking only in poll() while nothing runs.
 """
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import zmq
 
 from pdserve.core import ipc
+from pdserve.core.frontend_links import FrontendLinks
 from pdserve.core.messages import (
     AbortCmd,
     GenerateCmd,
@@ -36,7 +39,6 @@ from pdserve.core.messages import (
     Message,
     Sampling,
     Timings,
-    TokenBatchEvent,
     TokenEvent,
     pack_token_ids,
     unpack_token_ids,
@@ -62,6 +64,8 @@ class MockConfig:
     """Reported in heartbeats' layout and KV snapshots."""
     num_blocks: int = 1 << 22
     """Free (and total) blocks every heartbeat reports."""
+    num_frontends: int = 1
+    """Router processes of the cluster (core/frontend_links.py)."""
 
 
 @dataclass
@@ -72,6 +76,7 @@ class _Running:
     next_index: int
     last_index: int
     timings: Timings | None
+    frontend: int
 
 
 class MockWorker:
@@ -82,7 +87,7 @@ class MockWorker:
         self.ctx = zmq.Context()
         inbox = ipc.prefill_addr if cfg.role == "prefill" else ipc.decode_addr
         self.inbox = ipc.bind_pull(self.ctx, inbox(cfg.run_dir, cfg.worker_id))
-        self.to_router = ipc.connect_push(self.ctx, ipc.router_addr(cfg.run_dir))
+        self.frontends = FrontendLinks(self.ctx, cfg.run_dir, cfg.num_frontends)
         self.to_decode: dict[int, zmq.Socket] = {}
         self.incarnation = uuid.uuid4().hex
         self.running: dict[str, _Running] = {}
@@ -108,14 +113,14 @@ class MockWorker:
             if self.cfg.role == "prefill":
                 self._prefill(msg)
             else:
-                self._start(msg.request_id, _prompt(msg.token_ids), msg.sampling, msg.timings, first=True)
+                self._start(msg.request_id, _prompt(msg.token_ids), msg.sampling, msg.timings, msg.frontend, True)
         elif isinstance(msg, HandoffCmd):
-            self._start(msg.request_id, _prompt(msg.token_ids), msg.sampling, msg.timings, first=False)
+            self._start(msg.request_id, _prompt(msg.token_ids), msg.sampling, msg.timings, msg.frontend, False)
         elif isinstance(msg, AbortCmd):
             self.running.pop(msg.request_id, None)
         elif isinstance(msg, KvSnapshotCmd):
             snap = KvSnapshotEvent(self.cfg.role, self.cfg.worker_id, self.incarnation, 0, self.cfg.block_size, [])
-            ipc.send(self.to_router, snap)
+            self.frontends.send(msg.frontend, snap)
 
     def _prefill(self, cmd: GenerateCmd) -> None:
         """The first token to the router, then the request to its decode worker."""
@@ -127,13 +132,13 @@ class MockWorker:
         first = TokenEvent(
             cmd.request_id, k, [prompt[k % len(prompt)]], "length" if last else None, len(prompt) - k, 0, timings
         )
-        ipc.send(self.to_router, first)
+        self.frontends.send(cmd.frontend, first)
         if last:
             return
         ids = prompt + [first.token_ids[0]]
         handoff = HandoffCmd(
             cmd.request_id, self.cfg.worker_id, self.incarnation, 0, [], pack_token_ids(ids), len(prompt), 0,
-            dataclasses.replace(cmd.sampling, num_generated=k + 1), timings,
+            dataclasses.replace(cmd.sampling, num_generated=k + 1), timings, frontend=cmd.frontend,
         )  # fmt: skip
         ipc.send(self._decode_socket(cmd.decode_worker), handoff)
 
@@ -143,16 +148,19 @@ class MockWorker:
             sock = self.to_decode[worker] = ipc.connect_push(self.ctx, ipc.decode_addr(self.cfg.run_dir, worker))
         return sock
 
-    def _start(self, request_id: str, ids: list[int], sampling: Sampling, timings: Timings, first: bool) -> None:
+    def _start(
+        self, request_id: str, ids: list[int], sampling: Sampling, timings: Timings, frontend: int, first: bool
+    ) -> None:
         """A request from a HandoffCmd (ids: prompt + first token) or, colocated, a GenerateCmd (ids: prompt)."""
         num_prompt = len(ids) - (0 if first else 1)
         prompt = ids[:num_prompt] or [0]
         index = sampling.num_generated
-        self.running[request_id] = _Running(prompt, index, max(index, sampling.max_tokens - 1), timings)
+        self.running[request_id] = _Running(prompt, index, max(index, sampling.max_tokens - 1), timings, frontend)
 
     def step(self) -> None:
         """One token for every running request, in one frame."""
         events = []
+        frontend_of = {}
         now = time.time()
         for request_id, r in list(self.running.items()):
             done = r.next_index >= r.last_index
@@ -164,10 +172,11 @@ class MockWorker:
             events.append(
                 TokenEvent(request_id, r.next_index, [token], "length" if done else None, len(r.prompt), 0, timings)
             )
+            frontend_of[request_id] = r.frontend
             r.next_index += 1
             if done:
                 del self.running[request_id]
-        ipc.send(self.to_router, TokenBatchEvent(events))
+        self.frontends.send_tokens(events, frontend_of)
         self.num_steps += 1
 
     def _heartbeat(self) -> None:
@@ -176,7 +185,7 @@ class MockWorker:
             cfg.role, cfg.worker_id, os.getpid(), self.incarnation, cfg.num_blocks, cfg.num_blocks,
             len(self.running), 0, layout={"block_size": cfg.block_size},
         )  # fmt: skip
-        ipc.send(self.to_router, hb)
+        self.frontends.broadcast(hb)
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
@@ -195,8 +204,10 @@ def parse_args(argv: list[str] | None = None) -> MockConfig:
     p.add_argument("--step-ms", type=float, default=0.0, help="decode: least time between steps (0: none)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=1 << 22, help="free blocks every heartbeat reports")
+    p.add_argument("--num-frontends", type=int, default=1, help="router processes to send events to")
     args = p.parse_args(argv)
-    return MockConfig(args.role, args.worker_id, args.run_dir, args.step_ms / 1e3, args.block_size, args.num_blocks)
+    return MockConfig(args.role, args.worker_id, args.run_dir, args.step_ms / 1e3, args.block_size, args.num_blocks,
+                      args.num_frontends)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

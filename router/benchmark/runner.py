@@ -51,6 +51,9 @@ class RunConfig:
     """The "model" field of OpenAI requests."""
     auth: ClientAuth = field(default_factory=ClientAuth)
     """TLS and API key of a secured router (grpc)."""
+    grpc_channels: int = 1
+    """gRPC channels per client process, each its own TCP connection, streams dealt over them in turn: a port
+    shared by several front ends (SO_REUSEPORT) spreads connections, not calls."""
 
 
 async def fetch_model_info(address: str, timeout_s: float = 30.0, auth: ClientAuth | None = None) -> pb.ModelInfo:
@@ -113,10 +116,24 @@ async def send_one(
 
 @contextlib.asynccontextmanager
 async def grpc_sender(config: RunConfig) -> AsyncIterator[Sender]:
-    """send_one over one channel, once it is connected."""
-    async with config.auth.aio_channel(config.address) as channel:
-        await asyncio.wait_for(channel.channel_ready(), config.ready_timeout_s)
-        yield functools.partial(send_one, pb_grpc.GenerationStub(channel), config)
+    """send_one over config.grpc_channels channels (request i on channel i mod their number), once connected."""
+    if config.grpc_channels == 1:
+        async with config.auth.aio_channel(config.address) as channel:
+            await asyncio.wait_for(channel.channel_ready(), config.ready_timeout_s)
+            yield functools.partial(send_one, pb_grpc.GenerationStub(channel), config)
+        return
+    own_connection = [("grpc.use_local_subchannel_pool", 1)]  # NOTE: else channels to one address share one
+    channels = [config.auth.aio_channel(config.address, own_connection) for _ in range(config.grpc_channels)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in channels)), config.ready_timeout_s)
+        stubs = [pb_grpc.GenerationStub(c) for c in channels]
+
+        def send(spec: RequestSpec, index: int, clock: Clock) -> Awaitable[RequestRecord]:
+            return send_one(stubs[index % len(stubs)], config, spec, index, clock)
+
+        yield send
+    finally:
+        await asyncio.gather(*(c.close() for c in channels))
 
 
 def open_sender(config: RunConfig) -> contextlib.AbstractAsyncContextManager[Sender]:

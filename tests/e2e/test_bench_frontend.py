@@ -45,3 +45,22 @@ def test_grpc_levels_complete_every_request_with_exact_output_len(tiny_llama_dir
     assert report["host"]["num_cpus"] >= 1 and "cpu" in report["host"]
     assert report["config"]["backend"] == "grpc" and report["config"]["output_len"] == OUTPUT_LEN
     assert "TTFT p50 ms" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["grpc", "openai"])
+def test_two_front_ends_on_one_port_complete_every_request(tiny_llama_dir: Path, tmp_path: Path, backend: str) -> None:
+    """--frontends 2: the mock workers send each request's tokens to the router that owns it; one sent to the
+    other would never reach its stream, and the level would fail."""
+    out = tmp_path / "frontend.json"
+    argv = [sys.executable, str(SCRIPT), "--model", str(tiny_llama_dir), "--backend", backend, "--frontends", "2"]
+    argv += ["--concurrency", "16", "--duration", "1", "--warmup", "0", "--input-len", "20"]
+    argv += ["--output-len", str(OUTPUT_LEN), "--client-processes", "2", "--result-json", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=child_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    (level,) = report["levels"]
+    assert level["failed"] == 0 and level["completed"] >= 16
+    assert level["output_tokens"] == OUTPUT_LEN * level["completed"]
+    assert report["config"]["frontends"] == 2 and report["config"]["grpc_channels"] == 8
+    assert "2 routers on one port" in proc.stdout

@@ -117,6 +117,21 @@ def test_colocated_and_roles_shape_the_children(tmp_path: Path) -> None:
     assert [c.name for c in plan(tmp_path, "--roles", "prefill-1,decode-0")] == ["prefill-1", "decode-0"]
 
 
+def test_frontends_start_router_processes_on_one_port_that_the_workers_all_answer(tmp_path: Path) -> None:
+    children = plan(tmp_path, "--frontends", "3", "--port", "6000", "--metrics-port", "9400")
+    routers = [c for c in children if c.role == "router"]
+    assert [c.name for c in routers] == ["router-0", "router-1", "router-2"]
+    for k, router in enumerate(routers):
+        assert holds(router.argv, ["--port", "6000"]) and holds(router.argv, ["--frontend", str(k)])
+        assert holds(router.argv, ["--num-frontends", "3"]) and router.log_path.name == f"router-{k}.log"
+    metrics = [r.argv[r.argv.index("--metrics-port") + 1] for r in routers]
+    assert metrics == ["9400", "9405", "9406"]  # router-0 as one router; the others after prefill 0-1, decode 0-1
+    assert all(holds(w.argv, ["--num-frontends", "3"]) for w in children if w.role != "router")
+    assert not any("--num-frontends" in c.argv for c in plan(tmp_path))  # one router: today's command lines
+    only = plan(tmp_path, "--frontends", "2", "--roles", "router,decode-1")
+    assert [c.name for c in only] == ["router-0", "router-1", "decode-1"]
+
+
 def test_each_worker_gets_its_share_of_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def threads(children: list[Child]) -> dict[str, str]:
         return {c.name: c.argv[c.argv.index("--cpu-threads") + 1] for c in children if c.name != "router"}
@@ -214,6 +229,8 @@ def test_tp_groups_get_their_gpus(tmp_path: Path) -> None:
         (["--prefill-gpus", "0", "--prefill-tp", "2"], "--prefill-gpus 0: 1 GPU(s), fewer than --prefill-tp 2"),
         (["--prefill-gpus", "0,1", "--tp", "4"], "--prefill-gpus 0,1: 2 GPU(s), fewer than --prefill-tp 4"),
         (["--decode-gpus", "3", "--tp", "2"], "--decode-gpus 3: 1 GPU(s), fewer than --prefill-tp 2"),
+        (["--frontends", "2", "--port", "0"], "more than 1 need a fixed --port"),
+        (["--frontends", "0"], "--frontends must be in [1, 64]"),
     ],
 )
 def test_a_bad_command_line_stops_the_launcher_before_anything_starts(

@@ -11,6 +11,7 @@ from pdserve.core.messages import (
     PROTOCOL_VERSION,
     GenerateCmd,
     HandoffCmd,
+    KvSnapshotCmd,
     MessageError,
     Sampling,
     Timings,
@@ -97,3 +98,17 @@ def test_a_handoff_without_block_hashes_decodes_with_none_to_match() -> None:
 @pytest.mark.parametrize("raw", [[1, 2], "abcdefgh", b"\x01" * 7, None, bytearray(8)])
 def test_anything_but_whole_uint64_bytes_is_not_block_hashes(raw: object) -> None:
     assert unpack_block_hashes(raw) is None
+
+
+def test_the_owning_front_end_travels_with_a_request_and_a_snapshot_ask() -> None:
+    cmd = GenerateCmd("a", pack_token_ids([1, 2]), Sampling(), 0, Timings(), frontend=3)
+    handoff = HandoffCmd("a", 0, "pool", 1, [1], pack_token_ids([1, 2]), 1, 0, Sampling(), Timings(), frontend=2)
+    for msg in (cmd, handoff, KvSnapshotCmd(frontend=1)):
+        assert decode(encode(msg)) == msg
+    assert decode(encode(GenerateCmd("a", b"", Sampling(), 0))).frontend == 0  # type: ignore[union-attr]
+
+
+def test_a_frame_of_the_protocol_before_front_ends_is_refused() -> None:
+    frame = msgpack.packb([2, KvSnapshotCmd.TAG, {}], use_bin_type=True)
+    with pytest.raises(MessageError, match="protocol version 2"):
+        decode(frame)

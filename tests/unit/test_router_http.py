@@ -370,3 +370,17 @@ def test_http_connections_are_accepted_with_nagle_off() -> None:
             server.close()
 
     assert asyncio.run(accepted_nodelay()) == 1
+
+
+def test_front_ends_share_the_http_port_only_with_reuse_port() -> None:
+    from pdserve.router.http_api import listening_socket
+
+    first = listening_socket("127.0.0.1", 0, reuse_port=True)
+    port = first.getsockname()[1]
+    try:
+        second = listening_socket("127.0.0.1", port, reuse_port=True)  # another front end of the cluster
+        second.close()
+        with pytest.raises(OSError):
+            listening_socket("127.0.0.1", port)  # one router alone keeps its port to itself
+    finally:
+        first.close()

@@ -4,6 +4,7 @@ cancellation, worker loss, health, reflection, and the `python -m router` proces
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import signal
 import subprocess
@@ -30,6 +31,9 @@ from pdserve.core.messages import (
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from pdserve.router import client
+from pdserve.router.config import RouterConfig
+from pdserve.router.load_table import RESERVED_AT_DECODE, SharedLoads
+from pdserve.router.server import RouterServer
 from pdserve.router.tokenizer import RouterTokenizer
 from tests.router_fakes import HEARTBEAT_TIMEOUT, FakeDecode, FakePrefill, Script, eventually, router_with_fakes
 
@@ -293,6 +297,29 @@ def test_admission_queues_what_has_no_kv_room_and_refuses_past_max_queued(smollm
     asyncio.run(body())
 
 
+def test_a_front_end_admits_once_another_front_end_frees_the_kv_room(smollm2_dir: Path, run_dir: Path) -> None:
+    # front end 0 of 2 (this router); front end 1's row of the shared load table holds all but 10 of the fake decode
+    # worker's 128 blocks; a request needing 63 waits until front end 1's requests end (its row drops to 0)
+    script = Script(list(range(100, 104)))
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling=pb.SamplingParams(max_tokens=1006))
+
+    async def body() -> None:
+        other = SharedLoads.open(run_dir, 2, 1, 1, 1)
+        other.write(RESERVED_AT_DECODE, 0, 118)
+        async with router_with_fakes(smollm2_dir, run_dir, script, block_size=16, num_frontends=2) as h:
+            call = asyncio.ensure_future(h.generate(request))
+            await eventually(lambda: len(h.router.hub.admission) == 1)
+            await asyncio.sleep(0.3)
+            assert not h.prefill.got(GenerateCmd) and len(h.router.hub.admission) == 1
+            other.write(RESERVED_AT_DECODE, 0, 0)
+            responses = await asyncio.wait_for(call, 5.0)
+            assert [t for r in responses for t in r.token_ids] == script.tokens
+            (cmd,) = h.prefill.got(GenerateCmd)
+            assert isinstance(cmd, GenerateCmd) and cmd.frontend == 0
+
+    asyncio.run(body())
+
+
 def test_worker_error_event_ends_the_stream_with_its_code(smollm2_dir: Path, run_dir: Path) -> None:
     script = Script([7], prefill_error=("RESOURCE_EXHAUSTED", "the prompt needs 99 KV blocks"))
 
@@ -418,3 +445,25 @@ def test_router_modules_do_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) >= 10
+
+
+def test_a_lone_router_keeps_its_grpc_port_and_front_ends_share_theirs(smollm2_dir: Path, run_dir: Path) -> None:
+    async def body() -> None:
+        async with router_with_fakes(smollm2_dir, run_dir, Script([7])) as h:
+            (run_dir / "other").mkdir()
+            other = RouterServer(RouterConfig(str(smollm2_dir), str(run_dir / "other"), port=h.router.port))
+            with pytest.raises(RuntimeError, match="Failed to bind"):  # gRPC would share it by default (SO_REUSEPORT)
+                await other.start()
+            await other.stop(0)
+        shared = RouterConfig(str(smollm2_dir), str(run_dir), port=0, num_frontends=2)
+        first = RouterServer(shared)
+        first.hub.serving.set()  # NOTE: listens once it serves; no workers here
+        port = await first.start()
+        second = RouterServer(dataclasses.replace(shared, port=port, frontend=1))
+        second.hub.serving.set()
+        try:
+            assert await second.start() == port
+        finally:
+            await asyncio.gather(first.stop(0), second.stop(0))
+
+    asyncio.run(body())

@@ -107,3 +107,24 @@ def test_default_run_dir_is_the_newest_pdserve_dir(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("seconds", "shown"), [(0.04, "0.0s"), (59.94, "59.9s"), (60, "1m00s"), (7322, "2h02m")])
 def test_uptime_format(seconds: float, shown: str) -> None:
     assert st.format_uptime(seconds) == shown
+
+
+def test_json_lists_each_router_process_with_its_metrics_port(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = write_run_dir(tmp_path, os.getpid())
+    status = json.loads((run_dir / "status.json").read_text())
+    status["roles"][:1] = [role("router-0", 101), role("router-1", 104)]  # --frontends 2
+    (run_dir / "status.json").write_text(json.dumps(status))
+    (run_dir / "metrics").mkdir()
+    for name, port in (("router-0", 9400), ("router-1", 9404), ("prefill-0", 9401)):
+        (run_dir / "metrics" / f"{name}.port").write_text(str(port))
+    assert st.main(["--run-dir", str(run_dir), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["roles"]
+    assert [(r["name"], r["metrics_port"]) for r in out] == [
+        ("router-0", 9400),
+        ("router-1", 9404),
+        ("prefill-0", 9401),
+        ("decode-0", None),
+        ("decode-1", None),
+    ]

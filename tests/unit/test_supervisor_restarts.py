@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from pdserve.core.lifecycle import READY_LINE
-from pdserve.router.supervisor import TAIL_PREFIX, Child, RestartPolicy, Supervisor
+from pdserve.router.supervisor import TAIL_PREFIX, Child, RestartPolicy, Supervisor, terminate
 
 FAST = RestartPolicy(first_backoff_s=0.01, max_backoff_s=0.02, poll_s=0.01)
 
@@ -102,3 +103,25 @@ def test_a_child_seen_only_after_it_exited_counts_as_ready_if_it_heartbeat(tmp_p
     assert child.proc is not None and child.proc.wait(timeout=30) == 1
     supervisor._reap_and_restart()  # the supervisor's first look at it
     assert child.ready and child.failed_starts == 0 and not supervisor.stopping and child.proc is None
+
+
+def test_several_front_ends_make_the_cluster_ready_only_once_every_one_wrote_its_ready_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ready = READY_LINE.format(address="127.0.0.1:7")
+    codes = [f"import time; time.sleep({pause}); print({ready!r}, flush=True); time.sleep(60)" for pause in (0, 1)]
+    routers = [Child(f"router-{k}", [sys.executable, "-c", code], tmp_path / f"router-{k}.log")
+               for k, code in enumerate(codes)]  # fmt: skip
+    supervisor = Supervisor(routers, tmp_path, {**os.environ, "PYTHONUNBUFFERED": "1"}, grace=1.0, policy=FAST)
+    for child in routers:
+        child.start(supervisor.env)
+    try:
+        deadline = time.monotonic() + 20
+        while not routers[0].ready and time.monotonic() < deadline:
+            supervisor._check_ready("127.0.0.1:0")
+        assert routers[0].ready and not routers[1].ready and not supervisor.ready  # router-1 is still starting
+        while not supervisor.ready and time.monotonic() < deadline:
+            supervisor._check_ready("127.0.0.1:0")
+        assert routers[1].ready and capsys.readouterr().out.count("pdserve cluster ready on 127.0.0.1:7 (") == 1
+    finally:
+        terminate(routers, 1.0)
