@@ -265,12 +265,14 @@ def part_throughput(model: Path, out: Path) -> None:
 
 
 FRONT_DOOR_STREAMS = (64, 256)
+FRONT_ENDS = 4
+"""The front-door part runs its loads again on a cluster of this many front ends (pdserve-cluster --frontends)."""
 
 
 def part_frontdoor(model: Path, out: Path) -> None:
     """Issue 35: the 1B cluster at 64 and 256 concurrent streams (closed loop, 128 in / 256 out) through the gRPC
     and the HTTP door: output tok/s and TTFT, beside the decode worker's step time during the run (its own step
-    rate allows streams / step time tokens per second)."""
+    rate allows streams / step time tokens per second); with one front end, then FRONT_ENDS."""
     runs = []
     for n in FRONT_DOOR_STREAMS:
         load = ["--dataset", "random", "--num-prompts", str(2 * n), "--input-len", "128", "--output-len", "256"]
@@ -278,7 +280,10 @@ def part_frontdoor(model: Path, out: Path) -> None:
         http = [*load, "--backend", "openai", "--model-dir", str(model)]
         runs += [(f"frontdoor-grpc-{n}", load), (f"frontdoor-openai-{n}", http)]
     # NOTE: a fixed pool: two workers sizing theirs from free memory at once once left decode graph capture OOM
-    with_cluster(model, out, "frontdoor", [*WORKER_FLAGS, "--max-num-seqs", "256", "--num-blocks", "16384"], runs)
+    flags = [*WORKER_FLAGS, "--max-num-seqs", "256", "--num-blocks", "16384"]
+    with_cluster(model, out, "frontdoor", flags, runs)
+    spread = [(f"{name}-k{FRONT_ENDS}", [*args, "--grpc-channels", "16"]) for name, args in runs]
+    with_cluster(model, out, f"frontdoor-k{FRONT_ENDS}", [*flags, "--frontends", str(FRONT_ENDS)], spread)
 
 
 def part_colocated(model: Path, out: Path) -> None:

@@ -76,6 +76,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times; 1 = Poisson")
     p.add_argument("--max-concurrency", type=int, default=None, help="open-loop requests in flight at most")
     p.add_argument("--client-processes", type=int, default=1, help="split the load over this many client processes")
+    p.add_argument(
+        "--grpc-channels", type=int, default=1,
+        help="gRPC connections per client process (the kernel spreads connections, not calls, over the front ends "
+        "of pdserve-cluster --frontends K)",
+    )  # fmt: skip
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--percentiles", default="50,90,95,99", help="comma-separated, e.g. 50,90,99.9")
@@ -197,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workload = build_workload(args, vocab)
     config = RunConfig(
         args.address, args.max_concurrency, args.ignore_eos, args.temperature, args.timeout, not args.no_progress,
-        args.backend, args.served_model_name or info.model_name, client_auth(args),
+        args.backend, args.served_model_name or info.model_name, client_auth(args), grpc_channels=args.grpc_channels,
     )  # fmt: skip
     records = run_in_processes(workload, config, args.client_processes)
     backend = "pdserve" if args.backend == "grpc" else "pdserve-openai"
