@@ -1,5 +1,6 @@
-"""The sparse MoE feed-forward the MoE families share (core/models/qwen3_moe.py, mixtral.py): a replicated router,
-softmax / top-k, and experts stored as one stacked weight per projection, tensor-parallel over the expert width.
+"""The sparse MoE feed-forward the MoE families share (core/models/qwen3_moe.py: Qwen3-MoE and Qwen2-MoE;
+mixtral.py): a replicated router, softmax / top-k, experts stored as one stacked weight per projection,
+tensor-parallel over the expert width, and an optional gated shared expert (Qwen2-MoE).
 
 Layout (this rank of a TP group of size tp, I = the expert width):
     w13: [num_experts, 2 * I / tp, hidden]  rows [0, I/tp) this rank's slice of each expert's gate_proj, then the

@@ -117,7 +117,7 @@ def test_cuda_prefix_cache_and_seeded_sampling(tiny_llama_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
 def test_half_precision_logits_match_hf_on_gpu(family: str, dtype: str, request: pytest.FixtureRequest) -> None:
     """The model cast whole to bf16/fp16 (the Triton backend and fused kernels): last-token logits of a batch
     of prefills agree with transformers in the same dtype on the same GPU, within half-precision tolerance."""
