@@ -160,11 +160,11 @@ FeedForward = Callable[[ModelConfig, int], nn.Module]
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, mlp: nn.Module) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer: int, feed_forward: FeedForward) -> None:
         super().__init__()
         eps = cfg.hf_config.rms_norm_eps
-        self.self_attn = LlamaAttention(cfg, backend)
-        self.mlp = mlp
+        self.self_attn = LlamaAttention(cfg, backend)  # NOTE: first, so a TP size the heads refuse is named first
+        self.mlp = feed_forward(cfg, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
@@ -195,9 +195,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, feed_forward: FeedForward) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, feed_forward(cfg, i)) for i in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend, i, feed_forward) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.hf_config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.hf_config, cfg.head_dim, cfg.max_model_len)
 
