@@ -15,7 +15,7 @@ from pdserve.core.sampler import HostLogprobs, TokenLogprobs
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.scheduler import StepPlan
 from tests.hf_reference import random_prompts
-from tests.logprobs_reference import assert_matches, hf_logprobs
+from tests.logprobs_reference import assert_outputs_match, run_requests
 
 pytestmark = pytest.mark.gpu
 TOP = 5
@@ -25,24 +25,8 @@ STALL_CYCLES = 20_000_000
 MODES = {"triton-graphs": ("triton", False), "torch-eager": ("torch", True)}
 
 
-def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[RequestOutput]]:
-    ids = [f"lp{i}-{len(engine.requests)}-{id(params)}" for i in range(len(prompts))]
-    for rid, prompt, p in zip(ids, prompts, params, strict=True):
-        engine.add_request(rid, prompt, p)
-    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            outs[out.request_id].append(out)
-    engine.flush_commits()
-    return [outs[rid] for rid in ids]
-
-
 def check(model_dir: Path, prompt: list[int], outs: list[RequestOutput], temperature: float = 1.0) -> None:
-    tokens = [t for o in outs for t in o.new_token_ids]
-    entries = [e for o in outs for e in (o.logprobs or [])]
-    assert len(tokens) == len(entries) == NEW_TOKENS
-    ref = hf_logprobs(model_dir, prompt, tokens, TOP, temperature)
-    assert_matches([e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries], ref)
+    assert assert_outputs_match(model_dir, prompt, outs, TOP, temperature) == NEW_TOKENS
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -78,13 +62,13 @@ def test_cuda_logprobs_match_hf_on_every_path(mode: str, tiny_llama_dir: Path, m
     plain = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     hot = SamplingParams(temperature=0.7, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True, top_logprobs=TOP)
     # rows that ask next to one that does not; unseeded sampling keeps the decode steps overlapped
-    first, other, random_row = run(engine, [a, b, c], [asking, plain, hot])
+    first, other, random_row = run_requests(engine, [a, b, c], [asking, plain, hot])
     assert len(launched) >= NEW_TOKENS - 2, launched
     assert all(o.logprobs is None for o in other)
     check(tiny_llama_dir, a, first)
     check(tiny_llama_dir, c, random_row, temperature=0.7)
     # an exact hit: the first token from the cached logits row, on the device
     hits = engine.stats.num_full_hits
-    (again,) = run(engine, [a], [asking])
+    (again,) = run_requests(engine, [a], [asking])
     assert engine.stats.num_full_hits == hits + 1
     check(tiny_llama_dir, a, again)

@@ -27,7 +27,7 @@ from pdserve.core.sampler import HostLogprobs, Sampler, SamplingState, token_log
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.scheduler import StepPlan
 from tests.hf_reference import random_prompts
-from tests.logprobs_reference import assert_matches, hf_logprobs
+from tests.logprobs_reference import assert_outputs_match, run_requests
 
 EOS = 3
 VOCAB = 64
@@ -189,24 +189,8 @@ def engine(tiny_llama_dir: Path) -> Engine:
     return Engine(EngineConfig(ModelConfig.from_pretrained(tiny_llama_dir), CacheConfig(num_blocks=128)))
 
 
-def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, list[RequestOutput]]:
-    ids = [f"lp{i}-{id(params)}" for i in range(len(prompts))]
-    for rid, prompt, p in zip(ids, prompts, params, strict=True):
-        engine.add_request(rid, prompt, p)
-    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
-    while engine.has_unfinished():
-        for out in engine.step():
-            outs[out.request_id].append(out)
-    engine.flush_commits()
-    return outs
-
-
 def check_against_hf(model_dir: Path, prompt: list[int], outs: list[RequestOutput], temperature: float = 1.0) -> None:
-    tokens = [t for o in outs for t in o.new_token_ids]
-    entries = [e for o in outs for e in (o.logprobs or [])]
-    assert len(entries) == len(tokens)
-    ref = hf_logprobs(model_dir, prompt, tokens, TOP, temperature)
-    assert_matches([e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries], ref)
+    assert_outputs_match(model_dir, prompt, outs, TOP, temperature)
 
 
 def test_engine_logprobs_match_hf_on_every_path(
@@ -223,15 +207,15 @@ def test_engine_logprobs_match_hf_on_every_path(
     monkeypatch.setattr(engine, "_launch_decode", counting_launch)
     # a batch where one row asks: prefill, then decode steps that overlap the host (outputs one step late)
     plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    first, other = run(engine, [a, b], [ASKING, plain]).values()
+    first, other = run_requests(engine, [a, b], [ASKING, plain])
     assert launched and all(o.logprobs is None for o in other)
     check_against_hf(tiny_llama_dir, a, first)
     # seeded sampling (steps in order): the sampled token's logprob after temperature
     seeded = SamplingParams(temperature=0.7, seed=5, max_tokens=8, ignore_eos=True, logprobs=True, top_logprobs=TOP)
-    (random_row,) = run(engine, [b], [seeded]).values()
+    (random_row,) = run_requests(engine, [b], [seeded])
     check_against_hf(tiny_llama_dir, b, random_row, temperature=0.7)
     # the same prompt again: an exact hit samples the cached logits row, no forward pass for its first token
     hits = engine.stats.num_full_hits
-    (again,) = run(engine, [a], [ASKING]).values()
+    (again,) = run_requests(engine, [a], [ASKING])
     assert engine.stats.num_full_hits == hits + 1
     check_against_hf(tiny_llama_dir, a, again)
