@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pdserve.core.model_store import ModelAssetMissingError, prepare_default_model
+from pdserve.router.tokenizer import RouterTokenizer
 from tests.models import make_tiny, make_tiny_gpt2, make_tiny_llama
 
 
@@ -53,6 +57,20 @@ def smollm2_dir() -> Path:
         return prepare_default_model()
     except ModelAssetMissingError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir: Path) -> RouterTokenizer:
+    """The router's tokenizer of the bundled SmolLM2."""
+    return RouterTokenizer.from_dir(smollm2_dir)
+
+
+@pytest.fixture
+def run_dir() -> Iterator[Path]:
+    """A fresh, empty run directory with a short path (ipc:// socket paths are limited to ~100 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="pd-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 SLOW_DIRS = ("e2e", "reliability")

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,15 +93,6 @@ def test_a_malformed_kv_snapshot_is_a_message_error(hashes: object) -> None:
 
 
 # --- real sockets -----------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def run_dir() -> Iterator[Path]:
-    path = tempfile.mkdtemp(prefix="pdkv")  # NOTE: short: ipc:// paths are limited to ~100 bytes
-    try:
-        yield Path(path)
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 async def eventually(predicate: Callable[[], bool], tick: Callable[[], None] = lambda: None) -> None:

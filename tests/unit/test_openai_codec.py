@@ -4,9 +4,6 @@ hand-built GenerateResponses: logprobs both ways, chunks, whole responses."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
-import pytest
 
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.router.openai_request import ApiRequest, Kind, parse_request
@@ -14,11 +11,6 @@ from pdserve.router.openai_response import MIN_LOGPROB, ResponseRenderer
 from pdserve.router.tokenizer import RouterTokenizer
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir: Path) -> RouterTokenizer:
-    return RouterTokenizer.from_dir(smollm2_dir)
 
 
 def parse(kind: Kind, **body: object) -> ApiRequest:

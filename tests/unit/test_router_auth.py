@@ -5,10 +5,7 @@ OpenAI-compatible HTTPS API."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import ssl
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,13 +38,6 @@ from tests.tls_certs import TlsFiles, make_tls_files
 KEY = "k-0123456789abcdef"
 MODEL = "SmolLM2-135M-Instruct"
 REQUEST = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling=pb.SamplingParams(max_tokens=3))
-
-
-@pytest.fixture
-def run_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="pda-"))  # NOTE: short: ipc socket paths are limited to ~100 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

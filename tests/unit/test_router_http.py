@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import socket
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,18 +24,6 @@ OUTPUT_TEXT = "Hello 👋🏽 wörld! 日本語 — done."
 MODEL = "SmolLM2-135M-Instruct"
 STALLED = Script(list(range(100, 140)), decode_stall_after=3)
 """Streams that never finish: the decode worker sends a few tokens, then waits."""
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir: Path) -> RouterTokenizer:
-    return RouterTokenizer.from_dir(smollm2_dir)
-
-
-@pytest.fixture
-def run_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="pdh-"))  # NOTE: short: ipc socket paths are limited to ~100 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def sdk(h: Harness, api_key: str = "none") -> Any:

@@ -16,11 +16,6 @@ from pdserve.router.tokenizer import RouterTokenizer
 from pdserve.router.validation import RequestValidator, ValidationError
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir: Path) -> RouterTokenizer:
-    return RouterTokenizer.from_dir(smollm2_dir)
-
-
 def lp(token: int) -> TokenLogprob:
     """A recognisable entry for token: logprob -token / 100, top [token, token + 1]."""
     return (-token / 100, [token, token + 1], [-token / 100, -token / 100 - 1])

@@ -7,9 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import shutil
-import tempfile
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +26,6 @@ CONTEXT = 8192
 NUM_CANCELS = 100
 STALLED = Script(list(range(100, 140)), decode_stall_after=2)
 """Streams that never finish: each call ends when its client cancels it."""
-
-
-@pytest.fixture
-def run_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="pdo-"))  # NOTE: short: ipc socket paths are limited to ~100 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def outcomes(h: Harness) -> dict[str, int]:

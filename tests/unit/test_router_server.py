@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -39,18 +36,6 @@ from tests.router_fakes import HEARTBEAT_TIMEOUT, FakeDecode, FakePrefill, Scrip
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTPUT_TEXT = "Hello 👋🏽 wörld! 日本語 — done."
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir: Path) -> RouterTokenizer:
-    return RouterTokenizer.from_dir(smollm2_dir)
-
-
-@pytest.fixture
-def run_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="pdr-"))  # NOTE: short: ipc socket paths are limited to ~100 bytes
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_stream_has_tokens_in_order_with_text_usage_and_finish(

@@ -21,11 +21,6 @@ CHATS = [
 MULTIBYTE_TEXT = "Héllo 👋🏽 wörld — 日本語 🎉🧑‍🚀! naïve café"
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir: Path) -> RouterTokenizer:
-    return RouterTokenizer.from_dir(smollm2_dir)
-
-
 @pytest.mark.parametrize("chat", CHATS, ids=["user", "system", "multi-turn"])
 def test_chat_rendering_matches_transformers(tokenizer: RouterTokenizer, smollm2_dir: Path, chat: list) -> None:
     from transformers import AutoTokenizer  # NOTE: the test may import transformers; router code may not
