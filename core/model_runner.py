@@ -160,10 +160,11 @@ class ModelRunner:
             self.model = load_model(cfg.model, self.backend, self.device)
             if self._uses_triton():
                 interleave_mlp_weights(self.model)
-        self.one_shot_all_reduce = cfg.parallel.one_shot_all_reduce and tp_group().use_one_shot(
-            cfg.scheduler.max_num_seqs * cfg.model.hidden_size, getattr(torch, cfg.model.dtype), self.device
-        )
-        """Decode-sized all-reduces take the one-shot kernel (core/parallel.py), on every rank alike."""
+        self.symmetric_all_reduce = tp_group().use_symmetric_memory(
+            cfg.parallel.all_reduce, cfg.scheduler.max_num_seqs, cfg.model.hidden_size, getattr(torch, cfg.model.dtype),
+            self.device,
+        )  # fmt: skip
+        """Decode-sized all-reduces read the peers' symmetric buffers (core/parallel.py), on every rank alike."""
         self.num_blocks = resolve_num_blocks(cfg, self.device)
         kv_dtype = getattr(torch, cfg.cache.kv_dtype or cfg.model.dtype)
         shape = kv_pool_shape(cfg, self.num_blocks)

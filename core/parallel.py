@@ -7,9 +7,10 @@ the MLP width and of the vocabulary. Megatron's split: column-parallel q/k/v and
 communication, row-parallel o/down end in one all-reduce each, the embedding lookup is an all-reduce of masked
 rows and the logits an all-gather. At size 1 nothing here touches torch.distributed.
 
-On CUDA, sums of decode-sized messages (up to max_num_seqs rows of the hidden size) take torch's one-shot
-all-reduce over a symmetric-memory buffer (OneShotAllReduce) instead of NCCL; larger ones, other ops and gloo
-take torch.distributed.
+On CUDA, decode-sized messages (up to max_num_seqs rows of the hidden size) avoid NCCL: a sum that an RMSNorm
+follows runs fused with the residual add and the norm in one kernel (FusedAllReduceNorm, kernels/allreduce_norm.py),
+other sums take torch's one-shot all-reduce (OneShotAllReduce); both read the peers' symmetric-memory buffers
+over NVLink. Larger messages, other ops and gloo take torch.distributed.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ import logging
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+
+AllReduceKind = Literal["fused", "one_shot", "nccl"]
 
 
 @dataclass(frozen=True)
@@ -34,8 +38,9 @@ class ParallelConfig:
     """Processes of the group."""
     tp_rank: int = 0
     """This process's rank in [0, tp_size); rank 0 schedules."""
-    one_shot_all_reduce: bool = True
-    """On CUDA, sum decode-sized messages with OneShotAllReduce; False: NCCL for every message."""
+    all_reduce: AllReduceKind = "fused"
+    """On CUDA, decode-sized sums: "fused" (FusedAllReduceNorm where a norm follows, else OneShotAllReduce),
+    "one_shot" (OneShotAllReduce, then the norm) or "nccl" (NCCL for every message)."""
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
@@ -105,13 +110,54 @@ class OneShotAllReduce:
         torch.ops.symm_mem.one_shot_all_reduce_out(self.buffer[:n], "sum", self.group_name, flat)
 
 
+class FusedAllReduceNorm:
+    """The sum over the group of a [rows, hidden] partial output fused with the residual add and RMSNorm after it
+    (kernels/allreduce_norm.py: the memory it maps, the protocol): one launch, allocation-free apart from its two
+    outputs (fixed-size per pass, so capturable in CUDA graphs). Every rank must make the same calls in the same
+    order, which the group's ranks do: they run the same passes."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, rows: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device) -> None:  # fmt: skip
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from pdserve.kernels.allreduce_norm import PROGRAMS, triton
+
+        if triton is None:
+            raise RuntimeError("the fused all-reduce + RMSNorm needs triton")
+        self.rank, self.rows, self.hidden, self.dtype = rank, rows, hidden, dtype
+        buffer = symm_mem.empty(rows * hidden, dtype=dtype, device=device)  # [rows * hidden]
+        size = dist.get_world_size(group)
+        self.flags = symm_mem.empty(2 * PROGRAMS * size, dtype=torch.int32, device=device).zero_()
+        torch.cuda.synchronize(device)  # NOTE: zeroed before the rendezvous lets any peer signal into them
+        self.buffer, handles = buffer, [symm_mem.rendezvous(t, group.group_name) for t in (buffer, self.flags)]
+        self.buffer_ptrs = torch.tensor(handles[0].buffer_ptrs, dtype=torch.int64, device=device)  # [size]
+        self.flag_ptrs = torch.tensor(handles[1].buffer_ptrs, dtype=torch.int64, device=device)  # [size]
+        self.epochs = torch.ones(PROGRAMS, dtype=torch.int32, device=device)  # [PROGRAMS]
+
+    def fits(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        """x, residual and weight are what the kernel takes: CUDA, rows contiguous, the buffer's dtype and width,
+        no more rows."""
+        rows, hidden = x.shape
+        same = (t.dtype == self.dtype and t.is_cuda and t.is_contiguous() for t in (x, residual, weight))
+        return all(same) and hidden == self.hidden and rows <= self.rows and residual.shape == x.shape
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from pdserve.kernels.allreduce_norm import all_reduce_rms_norm
+
+        return all_reduce_rms_norm(x, residual, weight, eps, self.buffer_ptrs, self.flag_ptrs, self.epochs, self.rank)
+
+
 class TPGroup:
     """The collectives of this process's TP group; the identity at size 1."""
 
     def __init__(self, rank: int = 0, size: int = 1, group: dist.ProcessGroup | None = None) -> None:
         self.rank, self.size, self.group = rank, size, group
         self.one_shot: OneShotAllReduce | None = None
-        """Sums the messages it fits (use_one_shot); None: NCCL / gloo for all."""
+        """Sums the messages it fits (use_symmetric_memory); None: NCCL / gloo for all."""
+        self.fused_norm: FusedAllReduceNorm | None = None
+        """Sums then normalizes the messages it fits (use_symmetric_memory); None: the sum, then the norm."""
 
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """The sum (or op) of x over the ranks, in place."""
@@ -123,22 +169,42 @@ class TPGroup:
             dist.all_reduce(x, op=op, group=self.group)
         return x
 
-    def use_one_shot(self, numel: int, dtype: torch.dtype, device: torch.device) -> bool:
-        """Sum CUDA messages of up to numel elements of dtype with OneShotAllReduce from now on, when every rank
-        can (they agree: a rank on NCCL and one on the one-shot would wait on each other forever); whether on.
-        Call before capturing CUDA graphs, on every rank alike."""
-        if self.size == 1 or device.type != "cuda":
+    def all_reduce_rms_norm(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]: this rank's partial sums
+        residual: torch.Tensor,  # [num_tokens, hidden]
+        weight: torch.Tensor,  # [hidden]
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(sum of x over the ranks + residual), that sum + residual): one fused kernel where it fits,
+        else the all-reduce and then kernels/fused_ops.py's rms_norm (x is summed in place then)."""
+        if self.fused_norm is not None and self.fused_norm.fits(x, residual, weight):
+            return self.fused_norm(x, residual, weight, eps)
+        from pdserve.kernels.fused_ops import rms_norm
+
+        return rms_norm(self.all_reduce(x), weight, eps, residual)
+
+    def use_symmetric_memory(self, kind: AllReduceKind, rows: int, hidden: int, dtype: torch.dtype,
+                             device: torch.device) -> bool:  # fmt: skip
+        """From now on, sum CUDA messages of up to rows x hidden elements of dtype over symmetric memory: every
+        sum with OneShotAllReduce, and with kind "fused" the sums a norm follows with FusedAllReduceNorm; when every
+        rank can (they agree: a rank on NCCL and one on the symmetric buffers would wait on each other forever).
+        Whether on. Call before capturing CUDA graphs, on every rank alike."""
+        if self.size == 1 or device.type != "cuda" or kind == "nccl":
             return False
         try:
-            one_shot: OneShotAllReduce | None = OneShotAllReduce(self.group, numel, dtype, device)  # type: ignore[arg-type]
+            one_shot: OneShotAllReduce | None = OneShotAllReduce(self.group, rows * hidden, dtype, device)  # type: ignore[arg-type]
+            fused = FusedAllReduceNorm(self.group, self.rank, rows, hidden, dtype, device) if kind == "fused" else None  # type: ignore[arg-type]
         except Exception as exc:  # NOTE: no P2P access, no symm_mem op in this torch build, ...
-            log.warning("TP rank %d: one-shot all-reduce unavailable, NCCL for all (%s: %s)", self.rank,
+            log.warning("TP rank %d: symmetric-memory all-reduce unavailable, NCCL for all (%s: %s)", self.rank,
                         type(exc).__name__, exc)  # fmt: skip
-            one_shot = None
-        everyone = torch.tensor([one_shot is not None], dtype=torch.int32, device=device)
+            one_shot, fused = None, None
+        ready = one_shot is not None and (kind != "fused" or fused is not None)
+        everyone = torch.tensor([ready], dtype=torch.int32, device=device)
         dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self.group)
-        self.one_shot = one_shot if bool(everyone.item()) else None
-        return self.one_shot is not None
+        on = bool(everyone.item())
+        self.one_shot, self.fused_norm = (one_shot, fused) if on else (None, None)
+        return on
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x on every rank, in place."""

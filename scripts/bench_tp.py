@@ -38,7 +38,7 @@ from pdserve.core import parallel
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, torch_dtype
 from pdserve.core.cuda_graphs import capture
 from pdserve.core.engine import Engine
-from pdserve.core.parallel import GROUP_TIMEOUT, ParallelConfig
+from pdserve.core.parallel import GROUP_TIMEOUT, AllReduceKind, ParallelConfig
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.kvtransfer.base import make_sink, make_source, merge_descriptors
 from pdserve.kvtransfer.layout import KVLayout
@@ -204,21 +204,24 @@ def decode_steps(engine: Engine, batch: int, setup: Setup, device: torch.device)
     return {**summary(times, "ms"), "mean_ms": mean_ms, "sequences_running": running}
 
 
-def decode_rank(rank: int, setup: Setup, size: int, one_shot: bool, out: str) -> None:
+def decode_rank(rank: int, setup: Setup, size: int, kind: AllReduceKind, out: str) -> None:
     """Rank `rank` of an engine at TP size: decode steps timed at each batch; rank 0 writes them to out."""
     device = rank_device(setup, rank)
-    pc = ParallelConfig(size, rank, one_shot_all_reduce=one_shot)
-    parallel.init_tp_group(pc, rendezvous(setup, f"decode_tp{size}_{one_shot}"), device)
+    pc = ParallelConfig(size, rank, all_reduce=kind)
+    parallel.init_tp_group(pc, rendezvous(setup, f"decode_tp{size}_{kind}"), device)
     engine = Engine(engine_config(setup, pc, device))
     batches = {str(b): decode_steps(engine, b, setup, device) for b in setup.batches}
     if rank == 0:
-        runner = engine.runner
-        write_json(out, {"graphs": runner.graphs is not None, "one_shot": runner.one_shot_all_reduce, "batch": batches})
+        graphs, symmetric = engine.runner.graphs is not None, engine.runner.symmetric_all_reduce
+        write_json(out, {"graphs": graphs, "symmetric_all_reduce": symmetric, "all_reduce": kind, "batch": batches})
     parallel.close_tp_group()
 
 
-DECODE_RUNS = {"tp1": (1, True), "tp2": (2, True), "tp2_nccl": (2, False)}
-"""Name -> (TP size, one-shot all-reduce for decode-sized sums): TP 2 as served, and with NCCL for every sum."""
+DECODE_RUNS: dict[str, tuple[int, AllReduceKind]] = {
+    "tp1": (1, "fused"), "tp2": (2, "fused"), "tp2_one_shot": (2, "one_shot"), "tp2_nccl": (2, "nccl")
+}  # fmt: skip
+"""Name -> (TP size, how decode-sized sums run, core/parallel.py): TP 2 as served, then with the one-shot
+all-reduce and a separate norm, then with NCCL for every sum."""
 
 
 def decode_part(setup: Setup, timeout_s: float) -> dict[str, Any]:
@@ -230,7 +233,7 @@ def decode_part(setup: Setup, timeout_s: float) -> dict[str, Any]:
         other = part[name].get("batch", {})
         return {b: other[b]["median_ms"] / one[b]["median_ms"] for b in one if b in other}
 
-    return {**part, "ratio_tp2_vs_tp1": ratio("tp2"), "ratio_tp2_nccl_vs_tp1": ratio("tp2_nccl")}
+    return {**part, **{f"ratio_{name}_vs_tp1": ratio(name) for name in DECODE_RUNS if name != "tp1"}}
 
 
 # --- 2. all-reduce of [batch, hidden] on 2 ranks -------------------------------------------------------------
@@ -433,8 +436,8 @@ def print_table(result: dict[str, Any]) -> None:
     decode = result.get("decode", {})
     for tp in DECODE_RUNS:
         for b, row in decode.get(tp, {}).get("batch", {}).items():
-            print(f"decode step {tp:8s} batch {b:>3}: {row['median_ms']:8.3f} ms median, {row['min_ms']:8.3f} min")
-    for name in ("tp2", "tp2_nccl"):
+            print(f"decode step {tp:12s} batch {b:>3}: {row['median_ms']:8.3f} ms median, {row['min_ms']:8.3f} min")
+    for name in (n for n in DECODE_RUNS if n != "tp1"):
         for b, ratio in decode.get(f"ratio_{name}_vs_tp1", {}).items():
             print(f"decode step {name}/tp1 batch {b:>3}: {ratio:.3f}x")
     for method, rows in result.get("allreduce", {}).items():

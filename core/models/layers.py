@@ -72,19 +72,29 @@ class ColumnParallelLinear(nn.Linear):
 
 
 class RowParallelLinear(nn.Linear):
-    """nn.Linear holding this rank's share of the input columns: partial sums, one all-reduce, then the bias."""
+    """nn.Linear holding this rank's share of the input columns: partial sums, one all-reduce, then the bias.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, shard: Shard | None = None) -> None:
+    With reduce=False (no bias) the output stays this rank's partial sum (`partial`): the RMSNorm after it sums
+    it over the ranks, fused with the residual add and the norm (core/parallel.py TPGroup.all_reduce_rms_norm).
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, shard: Shard | None = None, reduce: bool = True
+    ) -> None:
         tp = tp_group()
         if shard is None:
             start, length = even_split(in_features, tp.size, tp.rank, "the row-parallel input")
             shard = Shard(1, start, length, in_features)
+        if bias and not reduce:
+            raise ValueError("a row-parallel output with a bias must be reduced before the bias is added")
         super().__init__(shard.length, out_features, bias=bias)
         self.weight.shard = shard  # type: ignore[attr-defined]
         self.tp: TPGroup = tp
+        self.partial = tp.size > 1 and not reduce
+        """forward returns this rank's partial sum (the caller sums it over the ranks)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
+        if self.tp.size == 1 or self.partial:
             return F.linear(x, self.weight, self.bias)
         out = self.tp.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out + self.bias

@@ -40,14 +40,19 @@ class RMSNorm(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
         residual: torch.Tensor | None,  # [num_tokens, hidden]; None: x is the stream itself (the embeddings)
+        partial: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual), in one fused pass on CUDA; without residual, (norm(x), x).
+        """(norm(x + residual), x + residual), in one fused pass on CUDA; without residual, (norm(x), x). With
+        partial, x is this rank's partial sum: summed over the TP group first (fused with the rest where it fits).
 
         NOTE: same op order as transformers (normalize in fp32, cast, then scale) so fp32 on CPU matches bit for
         bit; see kernels/fused_ops.py.
         """
         if residual is None:
+            assert not partial, "the first norm's input (the embeddings) is never a partial sum"
             return rms_norm(x, self.weight, self.eps), x
+        if partial:
+            return tp_group().all_reduce_rms_norm(x, residual, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -86,7 +91,7 @@ class LlamaAttention(nn.Module):
         q = Shard(0, q_start * d, self.num_heads * d, cfg.num_heads * d)
         kv = Shard(0, kv_start * d, self.num_kv_heads * d, cfg.num_kv_heads * d)
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, bias)
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, o_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, o_bias, reduce=o_bias)
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
         qk_norm = hf.model_type in QK_NORM_TYPES
@@ -131,9 +136,11 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(hf, "mlp_bias", False))
         inter = column_shard(cfg.intermediate_size, "intermediate_size")
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate_proj": inter, "up_proj": inter}, bias)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, reduce=bias)
         self.act = activation(hf.hidden_act)
         self.fused_silu = hf.hidden_act == "silu"
+        self.partial = self.down_proj.partial
+        """forward returns this rank's partial sum (the next norm sums it)."""
 
     def interleave_weights(self) -> bool:
         """Store gate/up in SWIGLU_BLOCK-row blocks for the fused SwiGLU GEMM (kernels/swiglu_gemm.py) where it can
@@ -156,7 +163,13 @@ class LlamaMLP(nn.Module):
 
 
 FeedForward = Callable[[ModelConfig, int], nn.Module]
-"""(config, layer index) -> that layer's feed-forward: [num_tokens, hidden] -> [num_tokens, hidden]."""
+"""(config, layer index) -> that layer's feed-forward: [num_tokens, hidden] -> [num_tokens, hidden], this rank's
+partial sum where the module's `partial` is True (the next norm sums it over the TP group), else the full sum."""
+
+
+def returns_partial(module: object) -> bool:
+    """Whether a sublayer's output is this rank's partial sum (its `partial`; absent: False)."""
+    return bool(getattr(module, "partial", False))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -176,18 +189,20 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         rows: OutputRows | None = None,
+        partial: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(MLP output, residual stream before it): each norm folds in the pending residual add (as vLLM).
+        """(MLP output, residual stream before it): each norm folds in the pending residual add (as vLLM) and,
+        where the sublayer before it returns partial sums (x too, with partial), their sum over the TP group.
         With rows (the last layer), every token's K/V is cached but the outputs are the rows' alone.
 
         NOTE: the stream is summed as transformers sums it (x + sublayer(x), and + commutes exactly), so fp32
         on CPU stays bit-identical.
         """
-        x, residual = self.input_layernorm(x, residual)
+        x, residual = self.input_layernorm(x, residual, partial)
         x = self.self_attn(x, rope, kv_cache, meta, rows)
         if rows is not None:
             residual = residual[rows.index]  # [num_rows, hidden]
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(x, residual, self.self_attn.o_proj.partial)
         return self.mlp(x), residual
 
 
@@ -224,10 +239,12 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         rope = Rope(positions, self.model.rotary_emb.tables)
         *layers, last = self.model.layers
+        partial = False  # NOTE: x is the previous layer's feed-forward output, partial where it says so
         for layer, kv_cache in zip(layers, kv_caches, strict=False):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
-        x, residual = last(x, residual, rope, kv_caches[-1], meta, meta.rows)
-        return self.model.norm(x, residual)[0]
+            x, residual = layer(x, residual, rope, kv_cache, meta, partial=partial)
+            partial = returns_partial(layer.mlp)
+        x, residual = last(x, residual, rope, kv_caches[-1], meta, meta.rows, partial)
+        return self.model.norm(x, residual, returns_partial(last.mlp))[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)

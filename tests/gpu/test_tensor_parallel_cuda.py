@@ -84,7 +84,7 @@ def _one_shot_rank(rank: int, out: str) -> None:
     """Rank r of 2 on GPU r: sums through TPGroup with the one-shot kernel on, eagerly and in a CUDA graph."""
     device = torch.device(f"cuda:{rank}")
     group = parallel.init_tp_group(ParallelConfig(2, rank), f"file://{out}.rendezvous", device)
-    on = group.use_one_shot(8 * 64, torch.bfloat16, device)
+    on = group.use_symmetric_memory("one_shot", 8, 64, torch.bfloat16, device)
     small = torch.full((8, 64), rank + 1.0, dtype=torch.bfloat16, device=device)
     large = torch.full((16, 64), rank + 1.0, dtype=torch.bfloat16, device=device)  # NOTE: past the buffer: NCCL
     minimum = torch.tensor([rank + 5], dtype=torch.int64, device=device)
@@ -115,3 +115,65 @@ def test_one_shot_all_reduce_sums_exactly_in_a_graph_and_leaves_larger_messages_
     assert got["on"] is True
     assert got["eager"] == [3.0, 3.0, 5]
     assert got["graph"] == [3.0 * 2**3]  # NOTE: (1 + 2) then doubled by each of the 3 later sums: exact in bf16
+
+
+FUSED_ROWS, FUSED_HIDDEN = 64, 4096
+"""The fused kernel's buffer in the test: a decode batch of 64 rows of the 8B shape's width."""
+
+
+def _partials(rows: int, call: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Every rank's partial sums of one call (each rank makes all of them, from seeds): [rows, hidden] each."""
+    gen = torch.Generator(device="cpu").manual_seed(1000 * call + rows)
+    return [torch.randn(rows, FUSED_HIDDEN, generator=gen).to(dtype=dtype, device=device) for _ in range(2)]
+
+
+def _fused_rank(rank: int, out: str) -> None:
+    """Rank r of 2 on GPU r: all_reduce_rms_norm over the fused kernel (eager, then chained in a CUDA graph with
+    different row counts, then eager again) against the sum in rank order and the separate norm kernel."""
+    from pdserve.kernels.fused_ops import rms_norm_triton
+
+    device, dtype, eps = torch.device(f"cuda:{rank}"), torch.bfloat16, 1e-5
+    group = parallel.init_tp_group(ParallelConfig(2, rank), f"file://{out}.rendezvous", device)
+    on = group.use_symmetric_memory("fused", FUSED_ROWS, FUSED_HIDDEN, dtype, device)
+    weight = torch.randn(FUSED_HIDDEN, generator=torch.Generator().manual_seed(7)).to(dtype=dtype, device=device)
+    calls = [(1, 0), (64, 1), (7, 2), (64, 3)]  # (rows, seed)
+    inputs = {c: _partials(rows, c, dtype, device) for rows, c in calls}
+    residuals = {c: _partials(rows, 100 + c, dtype, device)[0] for rows, c in calls}  # alike on every rank
+
+    def run() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [group.all_reduce_rms_norm(inputs[c][rank], residuals[c], weight, eps) for _, c in calls]
+
+    eager = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    replays = []
+    for _ in range(3):
+        graph.replay()
+        replays.append([(o.clone(), r.clone()) for o, r in captured])
+    after = run()
+    torch.cuda.synchronize(device)
+    mismatches = 0
+    for results in (eager, *replays, after):
+        for (_, c), (got_out, got_res) in zip(calls, results, strict=True):
+            total = (inputs[c][0].float() + inputs[c][1].float()).to(dtype)
+            want_out, want_res = rms_norm_triton(total, weight, eps, residuals[c])
+            mismatches += int(not torch.equal(got_out, want_out)) + int(not torch.equal(got_res, want_res))
+    larger = _partials(FUSED_ROWS + 1, 9, dtype, device)
+    res = _partials(FUSED_ROWS + 1, 109, dtype, device)[0]
+    fallback_out, _ = group.all_reduce_rms_norm(larger[rank].clone(), res, weight, eps)  # NOTE: past the buffer
+    want_fallback, _ = rms_norm_triton((larger[0].float() + larger[1].float()).to(dtype), weight, eps, res)
+    torch.cuda.synchronize(device)
+    if rank == 0:
+        fallback_equal = torch.equal(fallback_out, want_fallback)
+        torch.save({"on": on, "mismatches": mismatches, "fallback_equal": fallback_equal}, out)
+    parallel.close_tp_group()
+
+
+def test_fused_all_reduce_rms_norm_equals_the_sum_then_the_norm_eagerly_and_in_a_graph(tmp_path: Path) -> None:
+    out = tmp_path / "fused.pt"
+    mp.spawn(_fused_rank, args=(str(out),), nprocs=2, join=True)
+    got = torch.load(out)
+    assert got["on"] is True
+    assert got["mismatches"] == 0
+    assert got["fallback_equal"] is True

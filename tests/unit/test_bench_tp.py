@@ -42,13 +42,13 @@ def test_smoke_records_what_ran(smoke: dict[str, Any]) -> None:
 
 def test_smoke_times_the_decode_step_at_tp_1_and_2(smoke: dict[str, Any]) -> None:
     decode = smoke["decode"]
-    for tp in ("tp1", "tp2", "tp2_nccl"):
-        assert decode[tp]["graphs"] is False and decode[tp]["one_shot"] is False  # NOTE: CPU: gloo for every sum
+    for tp in ("tp1", "tp2", "tp2_one_shot", "tp2_nccl"):
+        assert decode[tp]["graphs"] is False and decode[tp]["symmetric_all_reduce"] is False  # NOTE: CPU: gloo
         assert list(decode[tp]["batch"]) == BATCHES
         for batch, row in decode[tp]["batch"].items():
             assert row["sequences_running"] == int(batch)
             assert 0 < row["min_ms"] <= row["median_ms"] and row["mean_ms"] > 0
-    for name in ("tp2", "tp2_nccl"):
+    for name in ("tp2", "tp2_one_shot", "tp2_nccl"):
         assert list(decode[f"ratio_{name}_vs_tp1"]) == BATCHES
         assert all(ratio > 0 for ratio in decode[f"ratio_{name}_vs_tp1"].values())
 
