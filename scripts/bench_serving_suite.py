@@ -13,6 +13,10 @@ Parts (each fits one ~10-minute device call):
 - colocated: one worker doing prefill (chunked) and decode: interference and the random load.
 - transformers: the random load through transformers `generate` in static batches.
 - frontdoor (issue 35): the cluster at 64 and 256 concurrent streams through the gRPC and the HTTP door.
+- moe_interference (issue 36): the interference runs (disaggregated, decode-only, colocated) on the
+  qwen3-30b-a3b shape. On one GPU it keeps MOE_LAYERS of its 48 layers: a worker of all 48 holds ~61 GB of bf16
+  weights, two of them fit no single GPU; every run's JSON says so ("moe_setup"). --moe-gpus 2 runs the whole
+  model with prefill on GPU 0 and decode on GPU 1 (colocated: one worker per GPU), as two_gpus does.
 - routing (issue 6): 2 prefill workers + 1 decode worker, prefix-aware routing vs round-robin: a shared-prefix
   load whose prefixes fit one worker's KV pool only in part (cache-hit token ratio, TTFT), and a burst of 32
   requests with the same token ids, half sent as text (prefill forward passes, TTFT).
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -256,6 +261,55 @@ def part_two_gpus(model: Path, out: Path) -> None:
     with_cluster(model, out, "2gpu-colocated", colocated, runs)
 
 
+MOE_LAYERS = 16
+"""Layers of the qwen3-30b-a3b shape a one-GPU MoE run keeps: two workers of ~21 GB of weights each (experts 1.2 GB
+a layer, embedding and lm_head 1.2 GB) and their KV pools fit an 80 GB H100."""
+MOE_KV_BYTES = 4 << 30
+"""Each MoE worker's KV pool, as a fixed --num-blocks (two workers sizing theirs from free memory at once race)."""
+
+
+def moe_model(layers: int) -> Path:
+    """The qwen3-30b-a3b shape's config.json with its first `layers` layers, and the router's tokenizer."""
+    from bench_moe import write_model
+
+    from pdserve.core.model_store import write_gpt2_tokenizer
+
+    folder = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-qwen3-30b-a3b-{layers}-layers"
+    write_gpt2_tokenizer(write_model("qwen3-30b-a3b", folder, {"num_hidden_layers": layers}))
+    return folder
+
+
+def kv_block_bytes(model: Path, block_size: int = 16) -> int:
+    """Bytes of one bf16 KV block of the model in every layer (K and V)."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * block_size * cfg["num_key_value_heads"] * head_dim * 2
+
+
+def part_moe_interference(model: Path, out: Path, num_gpus: int) -> None:
+    """Issue 36: the interference runs on an MoE model (see the module docstring), disaggregated and colocated,
+    on one GPU (MPS 50/50) or two; the setup (layers kept and why, placement, pool) goes into each run's JSON."""
+    pool = [*WORKER_FLAGS, "--num-blocks", str(MOE_KV_BYTES // kv_block_bytes(model))]
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    two = ["--prefill-gpus", "0", "--decode-gpus", "1"] if num_gpus == 2 else []
+    colocated = [*pool, *COLOCATED_FLAGS] + (["--decode", "2", "--decode-gpus", "0,1"] if num_gpus == 2 else [])
+    tag = "moe-interference-2gpu" if num_gpus == 2 else "moe-interference"
+    runs = [(f"{tag}-disagg", WITH_LONG), (f"{tag}-decode-only", DECODE_ONLY)]
+    with_cluster(model, out, f"{tag}-disagg", [*pool, *two], runs)
+    with_cluster(model, out, f"{tag}-colocated", colocated, [(f"{tag}-colocated", WITH_LONG)])
+    setup = {
+        "model": str(model), "num_hidden_layers": layers, "gpus": num_gpus, "command": shlex.join(sys.argv),
+        "placement": "prefill GPU 0, decode GPU 1; colocated: a worker per GPU" if two else "one GPU, MPS 50/50",
+        "layers_cut": f"{layers} layers: two workers of all 48 (~61 GB of bf16 weights each) fit no single GPU"
+        if layers < 48 and num_gpus == 1 else None,
+        "kv_pool_bytes_per_worker": MOE_KV_BYTES,
+    }  # fmt: skip
+    for name in (*(name for name, _ in runs), f"{tag}-colocated"):
+        path = out / f"{name}.json"
+        if path.exists():
+            path.write_text(json.dumps(json.loads(path.read_text()) | {"moe_setup": setup}, indent=1))
+
+
 def part_throughput(model: Path, out: Path) -> None:
     """The random load with every request at once (the most each system sustains), disaggregated and colocated."""
     burst = [*RANDOM[: RANDOM.index("--request-rate")], "--num-prompts", "200", "--request-rate", "inf", *GOODPUT]
@@ -311,6 +365,7 @@ HEADLINE = {
     "throughput": ("random-disagg", "random-colocated", "random-transformers", "burst-disagg", "burst-colocated"),
     "routing": tuple(f"routing-{load}-{p}" for load in ("shared", "burst") for p in ("prefix", "round_robin")),
     "conditional": ("conditional-on", "conditional-off"),
+    "moe_interference": tuple(f"moe-interference-{k}" for k in ("disagg", "decode-only", "colocated")),
 }
 KEYS = ("completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_ttft_outside_ms", "median_tpot_ms",
         "median_itl_ms", "p99_itl_ms", "output_throughput", "request_goodput")  # fmt: skip
@@ -339,7 +394,7 @@ def summarize(results: Path, dest: Path, gpu: str) -> dict[str, Any]:
             if not path.exists():
                 continue
             report = json.loads(path.read_text())
-            tag = "short" if group.startswith("interference") else None
+            tag = "short" if "interference" in group else None
             metrics = report["metrics_by_tag"][tag] if tag else report["metrics"]
             row = {k: metrics.get(k) for k in KEYS} | {"worker_step_ms": report.get("worker_step_ms")}
             if group in ("routing", "conditional"):
@@ -349,7 +404,7 @@ def summarize(results: Path, dest: Path, gpu: str) -> dict[str, Any]:
             summary["runs"].setdefault(group, {})[name] = row
             requests = report.pop("requests", [])
             (dest / path.name).write_text(json.dumps(report, indent=1))
-            if name.startswith(("interference", "burst")) and requests:
+            if name.startswith(("interference", "moe-interference", "burst")) and requests:
                 write_plots([record_from_json(r) for r in requests], dest / f"{name}-plots")
     (dest / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -368,6 +423,7 @@ def main() -> int:
         "two_gpus",
         "exact",
         "frontdoor",
+        "moe_interference",
     ]
     names.append("summarize")
     p.add_argument("--part", choices=names, required=True)
@@ -375,11 +431,20 @@ def main() -> int:
     p.add_argument("--gpu", default=None, help="summarize: the GPU the runs had (default: each report's)")
     p.add_argument("--out", required=True)
     p.add_argument("--model", default=None, help="bench model folder (default: a Llama-1B shape made here)")
+    p.add_argument("--moe-gpus", type=int, choices=(1, 2), default=1, help="moe_interference: GPUs of the cluster")
+    p.add_argument(
+        "--moe-layers", type=int, default=None,
+        help=f"moe_interference: layers of qwen3-30b-a3b kept (default {MOE_LAYERS} on one GPU, all 48 on two)",
+    )  # fmt: skip
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.part == "summarize":
         print(json.dumps(summarize(Path(args.results), out, args.gpu or "see each report"), indent=1))
+        return 0
+    if args.part == "moe_interference":
+        layers = args.moe_layers or (MOE_LAYERS if args.moe_gpus == 1 else 48)
+        part_moe_interference(Path(args.model) if args.model else moe_model(layers), out, args.moe_gpus)
         return 0
     model = Path(args.model) if args.model else Path(os.environ.get("TMPDIR", "/tmp")) / "pdserve-llama-1b"
     if not args.model:
