@@ -36,6 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -155,13 +156,17 @@ def weight_bytes_estimate(cfg: ModelConfig) -> int:
     return params * torch.empty((), dtype=cfg.torch_dtype).element_size()
 
 
+class NotEnoughMemory(RuntimeError):
+    """The GPU cannot hold a model of this shape: the message says how much it needs and has."""
+
+
 def check_memory(device: torch.device, need: int, what: str) -> None:
-    """SystemExit with the shortfall when the GPU's free memory cannot hold `need` bytes."""
+    """NotEnoughMemory when the GPU's free memory cannot hold `need` bytes."""
     if device.type != "cuda":
         return
     free, total = torch.cuda.mem_get_info(device)
     if need > free:
-        raise SystemExit(
+        raise NotEnoughMemory(
             f"{what} needs ~{need / 2**30:.1f} GiB, {torch.cuda.get_device_name(device)} has {free / 2**30:.1f} of "
             f"{total / 2**30:.1f} GiB free: cut the depth with --layers N (weights scale with it)"
         )
@@ -203,7 +208,7 @@ def make_engine(folder: Path, setup: Setup) -> Engine:
     try:
         return Engine(cfg)
     except torch.OutOfMemoryError as exc:
-        raise SystemExit(f"pdserve ran out of GPU memory loading {setup.shape}: cut it with --layers N\n{exc}") from exc
+        raise NotEnoughMemory(f"pdserve ran out of GPU memory starting {setup.shape}: cut it with --layers N") from exc
 
 
 class RouterHooks:
@@ -425,10 +430,14 @@ def load_transformers(folder: Path, setup: Setup) -> Any:
     cfg = ModelConfig.from_pretrained(folder, dtype=setup.dtype, load_format="dummy")
     check_memory(device, weight_bytes_estimate(cfg) + MEMORY_MARGIN, "transformers")
     torch.manual_seed(0)
-    with device:
-        model = AutoModelForCausalLM.from_config(
-            AutoConfig.from_pretrained(folder), dtype=cfg.torch_dtype, attn_implementation="sdpa"
-        )
+    try:
+        with device:
+            hf_config = AutoConfig.from_pretrained(folder)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=cfg.torch_dtype, attn_implementation="sdpa")
+    except torch.OutOfMemoryError as exc:
+        raise NotEnoughMemory(
+            f"transformers ran out of GPU memory loading {setup.shape}: cut it with --layers N"
+        ) from exc
     return model.eval()
 
 
@@ -516,9 +525,15 @@ def ratios(result: dict[str, Any]) -> dict[str, float]:
     return {k: round(v, 3) for k, v in out.items()}
 
 
-def header(setup: Setup, folder: Path, tbps: dict[str, float | None]) -> dict[str, Any]:
-    import triton  # type: ignore[import-untyped,unused-ignore]
+def triton_version() -> str | None:
+    try:
+        import triton  # type: ignore[import-untyped,unused-ignore]
+    except ImportError:
+        return None
+    return str(triton.__version__)
 
+
+def header(setup: Setup, folder: Path, tbps: dict[str, float | None]) -> dict[str, Any]:
     cfg = json.loads((folder / "config.json").read_text())
     gpu = torch.cuda.get_device_name() if setup.device == "cuda" else "cpu"
     smoke = " (--smoke: tiny shapes on CPU, no timing claims)" if setup.device == "cpu" else ""
@@ -529,7 +544,7 @@ def header(setup: Setup, folder: Path, tbps: dict[str, float | None]) -> dict[st
         "gpu": gpu,
         "command": shlex.join([sys.executable, *sys.argv]),
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": triton_version(),
         "cuda": torch.version.cuda,
         "setup": {k: v for k, v in asdict(setup).items()} | {"dtype": setup.dtype},
         "model": {k: cfg[k] for k in fields if k in cfg},
@@ -587,9 +602,9 @@ def main() -> int:
         if not args.no_transformers:
             result["transformers"] = run_transformers(folder, setup)
             result["transformers_time_over_pdserve"] = ratios(result)
+    except NotEnoughMemory as exc:
+        result["error"] = f"{exc}{f' ({exc.__cause__})' if exc.__cause__ else ''}"
     except Exception:
-        import traceback
-
         result["error"] = traceback.format_exc()
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
