@@ -288,25 +288,27 @@ def kv_block_bytes(model: Path, block_size: int = 16) -> int:
 
 def part_moe_interference(model: Path, out: Path, num_gpus: int) -> None:
     """Issue 36: the interference runs on an MoE model (see the module docstring), disaggregated and colocated,
-    on one GPU (MPS 50/50) or two; the setup (layers kept and why, placement, pool) goes into each run's JSON."""
+    on one GPU (MPS 50/50) or two; the setup (layers kept and why, placement, pool) goes into each run's JSON and
+    into {tag}-setup.json."""
     pool = [*WORKER_FLAGS, "--num-blocks", str(MOE_KV_BYTES // kv_block_bytes(model))]
     layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     two = ["--prefill-gpus", "0", "--decode-gpus", "1"] if num_gpus == 2 else []
     colocated = [*pool, *COLOCATED_FLAGS] + (["--decode", "2", "--decode-gpus", "0,1"] if num_gpus == 2 else [])
     tag = "moe-interference-2gpu" if num_gpus == 2 else "moe-interference"
-    runs = [(f"{tag}-disagg", WITH_LONG), (f"{tag}-decode-only", DECODE_ONLY)]
-    with_cluster(model, out, f"{tag}-disagg", [*pool, *two], runs)
-    with_cluster(model, out, f"{tag}-colocated", colocated, [(f"{tag}-colocated", WITH_LONG)])
+    why = "two workers of all 48 (~61 GB of bf16 weights each) fit no single GPU" if num_gpus == 1 else "--moe-layers"
     setup = {
-        "model": str(model), "num_hidden_layers": layers, "gpus": num_gpus, "command": shlex.join(sys.argv),
+        "model": str(model), "num_hidden_layers": layers, "gpus": num_gpus, "gpu": gpu_name(),
+        "command": shlex.join(sys.argv), "kv_pool_bytes_per_worker": MOE_KV_BYTES,
         "placement": "prefill GPU 0, decode GPU 1; colocated: a worker per GPU" if two else "one GPU, MPS 50/50",
-        "layers_cut": f"{layers} layers: two workers of all 48 (~61 GB of bf16 weights each) fit no single GPU"
-        if layers < 48 and num_gpus == 1 else None,
-        "kv_pool_bytes_per_worker": MOE_KV_BYTES,
+        "layers_cut": f"{layers} of qwen3-30b-a3b's 48 layers: {why}" if layers < 48 else None,
     }  # fmt: skip
-    for name in (*(name for name, _ in runs), f"{tag}-colocated"):
-        path = out / f"{name}.json"
-        if path.exists():
+    (out / f"{tag}-setup.json").write_text(json.dumps(setup, indent=1))
+    runs = [(f"{tag}-disagg", WITH_LONG), (f"{tag}-decode-only", DECODE_ONLY)]
+    clusters = [("disagg", [*pool, *two], runs), ("colocated", colocated, [(f"{tag}-colocated", WITH_LONG)])]
+    for label, flags, cluster_runs in clusters:
+        with_cluster(model, out, f"{tag}-{label}", flags, cluster_runs)
+        for name, _ in cluster_runs:
+            path = out / f"{name}.json"
             path.write_text(json.dumps(json.loads(path.read_text()) | {"moe_setup": setup}, indent=1))
 
 
@@ -366,6 +368,7 @@ HEADLINE = {
     "routing": tuple(f"routing-{load}-{p}" for load in ("shared", "burst") for p in ("prefix", "round_robin")),
     "conditional": ("conditional-on", "conditional-off"),
     "moe_interference": tuple(f"moe-interference-{k}" for k in ("disagg", "decode-only", "colocated")),
+    "moe_interference_2gpu": tuple(f"moe-interference-2gpu-{k}" for k in ("disagg", "decode-only", "colocated")),
 }
 KEYS = ("completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_ttft_outside_ms", "median_tpot_ms",
         "median_itl_ms", "p99_itl_ms", "output_throughput", "request_goodput")  # fmt: skip
