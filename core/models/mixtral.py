@@ -14,7 +14,7 @@ from torch import nn
 
 from pdserve.core.config import ModelConfig
 from pdserve.core.models.llama import LlamaForCausalLM
-from pdserve.core.models.moe import MoeArgs, SparseMoeBlock
+from pdserve.core.models.moe import MoeArgs, SparseMoeBlock, experts_capturable
 
 _EXPERT_PROJ = re.compile(r"\.experts\.(\d+)\.w([123])\.")
 _PROJ_NAMES = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
@@ -35,7 +35,9 @@ def moe_args(hf: Any) -> MoeArgs:
 class MixtralForCausalLM(LlamaForCausalLM):
     """Implements core.models.base.CausalLM."""
 
-    capturable = False  # NOTE: the torch MoE forward reads per-expert token counts on the host
+    def __init__(self, cfg: ModelConfig, backend: Any) -> None:
+        super().__init__(cfg, backend)
+        self.capturable = experts_capturable(self)
 
     @staticmethod
     def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:

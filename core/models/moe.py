@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from pdserve.core.models.activations import activation
 from pdserve.core.models.layers import MergedLinear, column_shard
 from pdserve.core.parallel import Shard, TPGroup, tp_group
+from pdserve.kernels.fused_moe import fused_moe, fused_moe_ref, triton_available
 from pdserve.kernels.fused_ops import silu_and_mul
 
 
@@ -77,7 +77,7 @@ class ExpertPiece(NamedTuple):
 
 
 class FusedExperts(nn.Module):
-    """Every expert's weights, stacked (the module docstring's layout), and their torch reference forward."""
+    """Every expert's weights, stacked (the module docstring's layout), and their forward."""
 
     def __init__(self, args: MoeArgs, hidden: int) -> None:
         super().__init__()
@@ -91,27 +91,24 @@ class FusedExperts(nn.Module):
         self.act = activation(args.hidden_act)
         self.fused_silu = args.hidden_act == "silu"
 
+    @property
+    def capturable(self) -> bool:
+        """Whether the CUDA forward runs the Triton kernels (they fuse SiLU only), which read nothing on the host."""
+        return self.fused_silu and triton_available()
+
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
         routing: Routing,
     ) -> torch.Tensor:  # [num_tokens, hidden]: this rank's partial sum (the block all-reduces it)
-        """Loop over the experts that got tokens, in expert order, adding each one's weighted output into its
-        tokens' rows (transformers' order of the sum). An expert with no tokens costs nothing.
+        """The Triton kernels on CUDA (kernels/fused_moe.py); elsewhere, or for an activation other than SiLU,
+        the torch reference loop (eager only: it reads per-expert token counts on the host)."""
+        if x.is_cuda and self.capturable:
+            return fused_moe(x, self.w13, self.w2, routing.weights, routing.experts)
+        return fused_moe_ref(x, self.w13, self.w2, routing.weights, routing.experts, self._act_and_mul)
 
-        NOTE: reads the per-expert token counts on the host: eager only (the model is not captured in graphs).
-        """
-        out = torch.zeros_like(x)
-        counts = torch.bincount(routing.experts.flatten(), minlength=self.args.num_experts).tolist()
-        for e in (e for e, n in enumerate(counts) if n):
-            token, slot = torch.where(routing.experts == e)  # [m] each: the tokens routed to e, and which choice
-            h = self._expert(e, x[token])  # [m, hidden]
-            out.index_add_(0, token, (h * routing.weights[token, slot, None]).to(out.dtype))
-        return out
-
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:  # [m, hidden] -> [m, hidden]
-        gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)  # [m, inter / tp] each
-        return F.linear(silu_and_mul(gate, up) if self.fused_silu else self.act(gate) * up, self.w2[e])
+    def _act_and_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [m, inter / tp] each
+        return silu_and_mul(gate, up) if self.fused_silu else self.act(gate) * up
 
     def w13_global_rows(self) -> torch.Tensor:
         """[num_experts * 2 * I / tp] int64: each local row of w13 (flattened over experts) as a row of the
@@ -141,6 +138,11 @@ class FusedExperts(nn.Module):
         ]
         out["down_proj"] = [ExpertPiece("w2", (slice(None),), (num, hidden, full), shard._replace(dim=2))]
         return out
+
+
+def experts_capturable(model: nn.Module) -> bool:
+    """Whether every MoE layer of a model reads nothing on the host on CUDA (FusedExperts.capturable)."""
+    return all(m.capturable for m in model.modules() if isinstance(m, FusedExperts))
 
 
 class SharedExpert(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 
 from pdserve.core.config import ModelConfig
 from pdserve.core.models.llama import LlamaForCausalLM, LlamaMLP
-from pdserve.core.models.moe import MoeArgs, SparseMoeBlock
+from pdserve.core.models.moe import MoeArgs, SparseMoeBlock, experts_capturable
 
 
 def moe_args(hf: Any) -> MoeArgs:
@@ -42,7 +42,9 @@ def is_sparse(hf: Any, layer: int) -> bool:
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Implements core.models.base.CausalLM."""
 
-    capturable = False  # NOTE: the torch MoE forward reads per-expert token counts on the host
+    def __init__(self, cfg: ModelConfig, backend: Any) -> None:
+        super().__init__(cfg, backend)
+        self.capturable = experts_capturable(self)
 
     @staticmethod
     def feed_forward(cfg: ModelConfig, layer: int) -> nn.Module:

@@ -82,10 +82,11 @@ def test_cuda_fp32_greedy_matches_hf_on_gpu(family: str, mode: str, request: pyt
     torch.testing.assert_close(ours, first_logits[4], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_cuda_fp32_moe_runs_eagerly_and_matches_hf_on_gpu(family: str, request: pytest.FixtureRequest) -> None:
-    """The torch MoE forward reads expert counts on the host: the Triton backend without graphs (not asked
-    for enforce_eager), tokens equal transformers on the same GPU."""
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_cuda_fp32_moe_matches_hf_on_gpu(family: str, eager: bool, request: pytest.FixtureRequest) -> None:
+    """The MoE families with the fused MoE kernels (kernels/fused_moe.py), decode and prefill passes in CUDA
+    graphs or eager: tokens equal transformers on the same GPU."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model_dir = request.getfixturevalue(f"tiny_{family}_dir")
     cfg = EngineConfig(
@@ -94,10 +95,11 @@ def test_cuda_fp32_moe_runs_eagerly_and_matches_hf_on_gpu(family: str, request: 
         SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, prefill_chunk_size=16),
         device="cuda",
         attention_backend="triton",
+        enforce_eager=eager,
     )
     engine = Engine(cfg)
-    assert engine.runner.graphs is None and engine.runner.prefill_graphs is None
-    prompts = random_prompts(1024, (1, 17, 33, 64, 3), seed=43)
+    assert (engine.runner.graphs is None) == (engine.runner.prefill_graphs is None) == eager
+    prompts = random_prompts(1024, (1, 17, 33, 64, 3, 100), seed=43)
     expected, _ = hf_greedy_cuda(model_dir, prompts)
     assert engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)) == expected
 
