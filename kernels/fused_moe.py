@@ -52,13 +52,16 @@ class MoeConfig(NamedTuple):
 
 
 CONFIGS: tuple[tuple[float, MoeConfig], ...] = (
-    (16.0, MoeConfig(16, 64, 128, 4, 4)),
-    (96.0, MoeConfig(32, 64, 64, 4, 4)),
-    (float("inf"), MoeConfig(64, 128, 64, 8, 3)),
+    (8.0, MoeConfig(16, 64, 128, 4, 4)),
+    (24.0, MoeConfig(32, 64, 64, 4, 4)),
+    (96.0, MoeConfig(64, 128, 64, 4, 4)),
+    (512.0, MoeConfig(128, 128, 64, 8, 3)),
+    (float("inf"), MoeConfig(128, 128, 32, 8, 4)),
 )
-"""(most assignments per expert on average, the config for them), first match wins."""
-ALIGN_CHUNK = 1024
-"""Assignments per step of the align kernel's scans."""
+"""(most assignments per expert on average, the config for them), first match wins; the fastest of a sweep on an
+H200 at Qwen3-30B-A3B's shape (docs/benchmarks.md)."""
+ALIGN_CHUNKS = (256, 4096)
+"""Fewest and most assignments per step of the align kernel's scans (a power of 2 above the pass's count)."""
 SUM_BLOCK = 1024
 """Hidden columns per program of the top-k sum."""
 
@@ -141,7 +144,7 @@ if triton is not None:
 
     @triton.jit
     def _dot(a, b, acc, IEEE: tl.constexpr):
-        if IEEE:
+        if IEEE:  # noqa: SIM108 (a constexpr branch, resolved when the kernel compiles)
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
@@ -269,9 +272,15 @@ if triton is not None:
         tl.store(out_ptr + t * H + cols, acc.to(dtype), mask=cols < H)
 
 
-def align_block_size(experts: Tensor, num_experts: int, block_m: int) -> Alignment:  # experts: [num_tokens, K]
+def align_block_size(
+    experts: Tensor,  # [num_tokens, K]
+    num_experts: int,
+    block_m: int,
+    chunk: int | None = None,
+    num_warps: int | None = None,
+) -> Alignment:
     """Sort the assignments by expert on the device (moe_align_block_size's layout): no host sync, sizes fixed
-    by the shapes."""
+    by the shapes. chunk / num_warps: the scans' step and width (default: by the assignment count)."""
     flat = experts.reshape(-1)  # [N]
     slots = max_slots(flat.numel(), num_experts, block_m)
     alignment = Alignment(
@@ -280,9 +289,11 @@ def align_block_size(experts: Tensor, num_experts: int, block_m: int) -> Alignme
         torch.empty(1, dtype=torch.int32, device=flat.device),
     )
     e_pad = triton.next_power_of_2(num_experts + 1)
+    chunk = chunk or min(max(triton.next_power_of_2(flat.numel()), ALIGN_CHUNKS[0]), ALIGN_CHUNKS[1])
     _align_kernel[(num_experts,)](
-        flat, *alignment, flat.numel(), NUM_EXPERTS=num_experts, E_PAD=e_pad, BM=block_m, CHUNK=ALIGN_CHUNK
-    )
+        flat, *alignment, flat.numel(), NUM_EXPERTS=num_experts, E_PAD=e_pad, BM=block_m, CHUNK=chunk,
+        num_warps=num_warps or (4 if chunk <= 1024 else 8),
+    )  # fmt: skip
     return alignment
 
 

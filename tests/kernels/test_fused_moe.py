@@ -60,8 +60,8 @@ def assert_matches_reference(
 def test_align_block_size_matches_reference(num_tokens: int, experts_top_k: tuple[int, int], kind: str) -> None:
     num_experts, top_k = experts_top_k
     _, experts = routing(num_tokens, num_experts, top_k, kind, torch.Generator().manual_seed(num_tokens))
-    for block_m in (16, 64):
-        got = align_block_size(experts, num_experts, block_m)
+    for block_m, chunk in ((16, None), (64, None), (16, 256), (128, 1024), (64, 4096)):
+        got = align_block_size(experts, num_experts, block_m, chunk)
         ids, blocks = align_block_size_ref(experts, num_experts, block_m)
         assert int(got.num_slots) == len(ids) <= len(got.sorted_ids)
         assert torch.equal(got.sorted_ids[: len(ids)].cpu(), ids)
@@ -91,13 +91,17 @@ def test_uneven_routing_matches_reference(num_tokens: int, kind: str) -> None:
         assert_matches_reference(x, w13, w2, weights, experts)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 64, 1024])
-def test_fp32_matches_reference(num_tokens: int) -> None:
-    """IEEE fp32 dots (no tf32): only the summation order differs from cuBLAS's."""
+FP32_CASES = [(1, 60, 4), (64, 60, 4), (1024, 60, 4), (1024, 8, 2), (4096, 8, 2)]  # tokens, experts, top_k
+
+
+@pytest.mark.parametrize("case", FP32_CASES, ids=[f"{t}-e{e}k{k}" for t, e, k in FP32_CASES])
+def test_fp32_matches_reference(case: tuple[int, int, int]) -> None:
+    """IEEE fp32 dots (no tf32) at every config: only the summation order differs from cuBLAS's."""
     torch.backends.cuda.matmul.allow_tf32 = False
+    num_tokens, num_experts, top_k = case
     gen = torch.Generator().manual_seed(num_tokens)
-    x, w13, w2 = moe_inputs(num_tokens, 60, torch.float32, gen)
-    weights, experts = routing(num_tokens, 60, 4, "random", gen)
+    x, w13, w2 = moe_inputs(num_tokens, num_experts, torch.float32, gen)
+    weights, experts = routing(num_tokens, num_experts, top_k, "random", gen)
     out, ref = fused_moe(x, w13, w2, weights, experts), fused_moe_ref(x, w13, w2, weights, experts)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
