@@ -14,6 +14,7 @@ from typing import Literal
 
 import numpy as np
 
+from pdserve.router.benchmark.lengths import LengthSampler, fit_to_context
 from pdserve.router.tokenizer import RouterTokenizer
 
 SendAs = Literal["ids", "text"]
@@ -231,3 +232,19 @@ def schedule(specs: Sequence[RequestSpec], rate: float, burstiness: float, seed:
     """An open-loop workload: the specs with start times from arrival_offsets."""
     offsets = arrival_offsets(len(specs), rate, burstiness, seed)
     return Workload(tuple(replace(s, start_time=float(t)) for s, t in zip(specs, offsets, strict=True)))
+
+
+def sampled_workload(
+    vocab: VocabInfo, sampler: LengthSampler, rate: float, duration_s: float, max_model_len: int, seed: int
+) -> Workload:
+    """Poisson arrivals of `rate` per second over [0, duration_s), each with lengths from the sampler (cut to
+    fit max_model_len) and uniform random prompt ids; tagged with the sampler's name."""
+    rng = np.random.default_rng([seed, 3])
+    times = poisson_times(rng, rate, duration_s)
+    inputs, outputs = fit_to_context(*sampler.sample(rng, len(times)), max_model_len)
+    tag = getattr(sampler, "name", "sampled")
+    specs = (
+        RequestSpec(random_ids(rng, vocab, int(i)), int(o), tag, start_time=t)
+        for t, i, o in zip(times, inputs, outputs, strict=True)
+    )
+    return Workload(tuple(specs))

@@ -54,6 +54,9 @@ class RunConfig:
     grpc_channels: int = 1
     """gRPC channels per client process, each its own TCP connection, streams dealt over them in turn: a port
     shared by several front ends (SO_REUSEPORT) spreads connections, not calls."""
+    deadline_s: float | None = None
+    """Open-loop requests still streaming this many seconds after the start are cut off and recorded as failed
+    (a goodput sweep's drain limit); None = wait for every one."""
 
 
 async def fetch_model_info(address: str, timeout_s: float = 30.0, auth: ClientAuth | None = None) -> pb.ModelInfo:
@@ -146,9 +149,24 @@ def open_sender(config: RunConfig) -> contextlib.AbstractAsyncContextManager[Sen
 
 
 async def _open_loop_one(
+    send: Sender, spec: RequestSpec, index: int, clock: Clock, semaphore: asyncio.Semaphore | None,
+    deadline_s: float | None = None,
+) -> RequestRecord:  # fmt: skip
+    await asyncio.sleep(max(0.0, (spec.start_time or 0.0) - clock.now()))
+    if deadline_s is None:
+        return await _sent(send, spec, index, clock, semaphore)
+    send_time = clock.now()
+    try:
+        return await asyncio.wait_for(_sent(send, spec, index, clock, semaphore), max(0.0, deadline_s - send_time))
+    except asyncio.TimeoutError:
+        error = f"DEADLINE: still running {deadline_s:g} s after the start (cut off)"
+        return RequestRecord(index, spec.tag, send_time, clock.now(), input_tokens=spec.prompt_len,
+                             expected_output_len=spec.output_len, error=error)  # fmt: skip
+
+
+async def _sent(
     send: Sender, spec: RequestSpec, index: int, clock: Clock, semaphore: asyncio.Semaphore | None
 ) -> RequestRecord:
-    await asyncio.sleep(max(0.0, (spec.start_time or 0.0) - clock.now()))
     if semaphore is None:
         return await send(spec, index, clock)
     async with semaphore:
@@ -193,7 +211,7 @@ async def run_workload(workload: Workload, config: RunConfig, t0: float | None =
         await asyncio.sleep(max(0.0, -clock.now()))
         tasks = []
         for i, spec in enumerate(workload.requests):
-            task = asyncio.create_task(_open_loop_one(send, spec, i, clock, semaphore))
+            task = asyncio.create_task(_open_loop_one(send, spec, i, clock, semaphore, config.deadline_s))
             task.add_done_callback(lambda t: done(t.result()) if not t.cancelled() and not t.exception() else None)
             tasks.append(task)
         counter = itertools.count()
