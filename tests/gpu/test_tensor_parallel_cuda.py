@@ -31,7 +31,16 @@ pytestmark = [
 
 @pytest.mark.parametrize(
     ("family", "vocab", "eager"),
-    [("tiny_llama_dir", 1024, False), ("tiny_llama_dir", 1024, True), ("tiny_gpt2_dir", 50257, False)],
+    [
+        ("tiny_llama_dir", 1024, False),
+        ("tiny_llama_dir", 1024, True),
+        ("tiny_gpt2_dir", 50257, False),
+        ("tiny_qwen3_dir", 1024, False),
+        ("tiny_qwen3_moe_dir", 1024, False),
+        ("tiny_qwen3_moe_dir", 1024, True),
+        ("tiny_mixtral_dir", 1024, False),
+        ("tiny_qwen2_moe_dir", 1024, False),
+    ],
 )
 def test_engine_at_tp_2_on_two_gpus_matches_tp_1_and_transformers(
     family: str, vocab: int, eager: bool, request: pytest.FixtureRequest, tmp_path: Path
