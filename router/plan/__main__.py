@@ -1,0 +1,5 @@
+import sys
+
+from pdserve.router.plan.cli import main
+
+sys.exit(main())

@@ -1,0 +1,147 @@
+"""The profile the planner reads (scripts/profile_layout.py writes it): one GPU's prefill time vs prompt length
+and decode step time vs batch and context, interpolated piecewise-linearly and extrapolated from the last two
+points (a prompt or batch beyond the profile costs what the last segment's slope says).
+
+    {"version": 1, "gpu": "NVIDIA H100 80GB HBM3", "num_gpus": 2, "model": {...},
+     "prefill": {"budget": 4096, "points": [{"tokens": 512, "ms": 31.0}, ...]},
+     "decode": {"points": [{"batch": 1, "context": 512, "ms": 7.1}, ...]},   # a full batch x context grid
+     "kv_capacity_tokens": 400000, "handoff": {"fixed_ms": 1.0, "ms_per_token": 0.0}}
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PROFILE_VERSION = 1
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear y(x) through sorted xs; beyond either end, the nearest segment's line (>= 0)."""
+    if len(xs) == 1:
+        return float(ys[0])
+    k = min(max(bisect.bisect_right(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[k - 1], xs[k], ys[k - 1], ys[k]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured costs of one worker owning one GPU."""
+
+    gpu: str
+    """The GPU's name (torch.cuda.get_device_name), or cpu."""
+    num_gpus: int
+    """GPUs the planner lays out by default."""
+    prefill_tokens: tuple[int, ...]
+    """Prompt lengths measured, ascending."""
+    prefill_ms: tuple[float, ...]
+    """Time to the first token of one prompt of each length, alone on the worker."""
+    prefill_budget: int
+    """Token budget of one prefill step (max_num_batched_tokens) the prompts were measured with."""
+    decode_batches: tuple[int, ...]
+    """Decode batch sizes measured, ascending."""
+    decode_contexts: tuple[int, ...]
+    """Context lengths (tokens per sequence) measured, ascending."""
+    decode_ms: tuple[tuple[float, ...], ...]
+    """[batch][context] time of one decode step."""
+    kv_capacity_tokens: int | None = None
+    """KV tokens one worker holds on its GPU; None: unlimited."""
+    handoff_fixed_ms: float = 1.0
+    """Prefill -> decode handoff of a request: fixed part."""
+    handoff_ms_per_token: float = 0.0
+    """Handoff: part per prompt token (KV bytes over the link)."""
+    model: Mapping[str, Any] = field(default_factory=dict)
+    """What was profiled (shape name, dtype, max_model_len, ...), for the report."""
+    mps_slowdown: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    """Measured step-time factor of a role ("prefill", "decode") at an MPS SM share in percent; where missing,
+    1 / share (exact for compute-bound steps, pessimistic for memory-bound decode steps)."""
+
+    def prefill_time(self, tokens: float) -> float:
+        """ms of a prefill step of `tokens` tokens (whole prompts, or chunks of them)."""
+        return interpolate(self.prefill_tokens, self.prefill_ms, tokens)
+
+    def prefill_surcharge(self, prompt_len: int) -> float:
+        """ms a prompt longer than the budget costs beyond its chunks' own prefill steps (each chunk attends to
+        the ones before it): the measured whole-prompt time less prompt_len / budget budget-sized steps."""
+        if prompt_len <= self.prefill_budget:
+            return 0.0
+        whole = self.prefill_time(prompt_len)
+        return max(0.0, whole - prompt_len / self.prefill_budget * self.prefill_time(self.prefill_budget))
+
+    def decode_time(self, batch: float, context: float) -> float:
+        """ms of one decode step of `batch` sequences of `context` tokens each (bilinear in the grid)."""
+        per_context = [interpolate(self.decode_batches, col, batch) for col in zip(*self.decode_ms, strict=True)]
+        return interpolate(self.decode_contexts, per_context, context)
+
+    def slowdown(self, role: str, sm_share: float) -> float:
+        """Factor on a role's step times when its worker runs on sm_share (0-1] of the GPU's SMs."""
+        if sm_share >= 1.0:
+            return 1.0
+        measured = self.mps_slowdown.get(role, {})
+        if not measured:
+            return 1.0 / sm_share
+        shares = sorted(measured)
+        return interpolate([s / 100 for s in shares] + [1.0], [measured[s] for s in shares] + [1.0], sm_share)
+
+    def handoff_time(self, prompt_len: int) -> float:
+        return self.handoff_fixed_ms + self.handoff_ms_per_token * prompt_len
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Profile:
+        """Parse the profile document; ValueError on a bad version or a decode grid with holes."""
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {data.get('version')!r}: this planner reads {PROFILE_VERSION}")
+        pre = sorted((int(p["tokens"]), float(p["ms"])) for p in data["prefill"]["points"])
+        grid = {(int(p["batch"]), int(p["context"])): float(p["ms"]) for p in data["decode"]["points"]}
+        batches, contexts = sorted({b for b, _ in grid}), sorted({c for _, c in grid})
+        if len(grid) != len(batches) * len(contexts):
+            raise ValueError("profile decode points must cover every batch x context pair")
+        handoff = data.get("handoff", {})
+        return cls(
+            gpu=str(data["gpu"]), num_gpus=int(data.get("num_gpus", 1)),
+            prefill_tokens=tuple(t for t, _ in pre), prefill_ms=tuple(ms for _, ms in pre),
+            prefill_budget=int(data["prefill"].get("budget", max(t for t, _ in pre))),
+            decode_batches=tuple(batches), decode_contexts=tuple(contexts),
+            decode_ms=tuple(tuple(grid[b, c] for c in contexts) for b in batches),
+            kv_capacity_tokens=data.get("kv_capacity_tokens"),
+            handoff_fixed_ms=float(handoff.get("fixed_ms", 1.0)),
+            handoff_ms_per_token=float(handoff.get("ms_per_token", 0.0)),
+            model=dict(data.get("model", {})),
+            mps_slowdown={role: {int(k): float(v) for k, v in by.items()}
+                          for role, by in data.get("mps_slowdown", {}).items()},
+        )  # fmt: skip
+
+    @classmethod
+    def read(cls, path: str | Path) -> Profile:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    def to_json(self) -> dict[str, Any]:
+        """The document from_json reads."""
+        decode = [
+            {"batch": b, "context": c, "ms": self.decode_ms[i][j]}
+            for i, b in enumerate(self.decode_batches)
+            for j, c in enumerate(self.decode_contexts)
+        ]
+        return {
+            "version": PROFILE_VERSION, "gpu": self.gpu, "num_gpus": self.num_gpus, "model": dict(self.model),
+            "prefill": {"budget": self.prefill_budget,
+                        "points": [{"tokens": t, "ms": ms} for t, ms in zip(self.prefill_tokens, self.prefill_ms,
+                                                                             strict=True)]},
+            "decode": {"points": decode},
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "handoff": {"fixed_ms": self.handoff_fixed_ms, "ms_per_token": self.handoff_ms_per_token},
+            "mps_slowdown": {role: {str(k): v for k, v in by.items()} for role, by in self.mps_slowdown.items()},
+        }  # fmt: skip
+
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens a second of full-budget steps (the prefill side's ceiling)."""
+        return self.prefill_budget / self.prefill_time(self.prefill_budget) * 1e3
+
+    def decode_tokens_per_s(self, batch: int, context: float) -> float:
+        """Output tokens a second at this batch and context (the decode side's ceiling there)."""
+        return batch / max(self.decode_time(batch, context), 1e-9) * 1e3

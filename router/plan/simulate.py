@@ -1,0 +1,312 @@
+"""A discrete-event simulation of one layout serving Poisson arrivals, step by step, with step times from the
+profile (pdserve's engine runs one forward pass per step; this replays its scheduling on the profiled costs).
+
+- Prefill worker: FCFS; each step takes up to `budget` prompt tokens from the queue's head (a long prompt spans
+  steps) and lasts prefill_time(tokens) plus the chunk's share of the prompt's surcharge (profile.py), times its
+  MPS slowdown (profile.slowdown). A prompt's last step gives its first token; the decode side gets it after the
+  handoff time.
+- Decode worker: continuous batching. A step runs every running sequence and lasts decode_time(batch, mean
+  context) x slowdown; a waiting request joins at a step boundary while the batch is under max_num_seqs and its KV
+  (prompt + output tokens) fits the worker's capacity.
+- Colocated worker: each step runs the decodes plus up to `chunk - decodes` prompt tokens (chunked prefill,
+  decodes first as pdserve's scheduler does); a mixed step lasts prefill_time(chunk + decodes) plus the decodes'
+  attention beyond the shortest profiled context: decode_time(B, ctx) - decode_time(B, ctx_min).
+Routing: prefill to the least queued tokens x slowdown, decode and colocated to the fewest requests x slowdown.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pdserve.router.plan.layouts import Layout
+from pdserve.router.plan.profile import Profile
+
+CONTEXT_BUCKET = 64
+"""Decode step times are looked up per this many tokens of mean context (a cache key, not a model choice)."""
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """One request's life in the simulation (seconds)."""
+
+    arrival: float
+    prompt_len: int
+    output_len: int
+    first_token: float = math.nan
+    done: float = math.nan
+    step_ends: list[float] | None = None
+    """The decoding worker's step end times (for ITL)."""
+    first_step: int = -1
+    """Index in step_ends of the step that made its second token."""
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        return (self.done - self.first_token) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+    def itl_p99(self) -> float:
+        """p99 of its gaps between tokens (0 with one token)."""
+        if self.output_len <= 1 or self.step_ends is None:
+            return 0.0
+        times = np.asarray([self.first_token, *self.step_ends[self.first_step : self.first_step + self.output_len - 1]])
+        return float(np.percentile(np.diff(times), 99))
+
+
+class StepCost:
+    """The profile's step times in seconds, memoized."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self._decode: dict[tuple[int, int], float] = {}
+        self._prefill: dict[int, float] = {}
+        self.min_context = profile.decode_contexts[0]
+
+    def prefill(self, tokens: int) -> float:
+        if tokens not in self._prefill:
+            self._prefill[tokens] = self.profile.prefill_time(tokens) / 1e3
+        return self._prefill[tokens]
+
+    def surcharge(self, prompt_len: int, chunk_tokens: int) -> float:
+        """This chunk's share of the prompt's long-prompt surcharge (s)."""
+        return self.profile.prefill_surcharge(prompt_len) / 1e3 * chunk_tokens / prompt_len
+
+    def decode(self, batch: int, context: float) -> float:
+        key = (batch, int(context) // CONTEXT_BUCKET)
+        if key not in self._decode:
+            self._decode[key] = self.profile.decode_time(batch, (key[1] + 0.5) * CONTEXT_BUCKET) / 1e3
+        return self._decode[key]
+
+    def mixed(self, prefill_tokens: int, batch: int, context: float, surcharge: float) -> float:
+        """A colocated step: prefill_tokens of prompts beside `batch` decodes (module docstring)."""
+        if prefill_tokens == 0:
+            return self.decode(batch, context)
+        extra = self.decode(batch, context) - self.decode(batch, self.min_context) if batch else 0.0
+        return self.prefill(prefill_tokens + batch) + surcharge + max(0.0, extra)
+
+
+class PrefillWorker:
+    """FCFS token-budget steps; calls on_first_token(req) at the end of a prompt's last step."""
+
+    def __init__(self, cost: StepCost, share: float, budget: int, on_first_token: Callable[[SimRequest], None]):
+        self.cost, self.budget, self.on_first_token = cost, budget, on_first_token
+        self.slow = cost.profile.slowdown("prefill", share)
+        self.queue: deque[list[Any]] = deque()  # [request, prompt tokens still to run]
+        self.queued_tokens = 0
+        self.now = 0.0
+
+    def add(self, req: SimRequest, t: float) -> None:
+        if not self.queue:
+            self.now = max(self.now, t)
+        self.queue.append([req, req.prompt_len])
+        self.queued_tokens += req.prompt_len
+
+    def advance_to(self, t: float) -> None:
+        """Run every step that starts before t."""
+        while self.queue and self.now < t:
+            budget, tokens, surcharge, finished = self.budget, 0, 0.0, []
+            for entry in self.queue:
+                n = min(entry[1], budget)
+                entry[1] -= n
+                budget, tokens = budget - n, tokens + n
+                surcharge += self.cost.surcharge(entry[0].prompt_len, n)
+                if entry[1] == 0:
+                    finished.append(entry[0])
+                if budget == 0:
+                    break
+            self.now += (self.cost.prefill(tokens) + surcharge) * self.slow
+            self.queued_tokens -= tokens
+            for req in finished:
+                self.queue.popleft()
+                req.first_token = self.now
+                self.on_first_token(req)
+
+
+@dataclass
+class BatchState:
+    """A worker's running sequences: finish heap, context sum, KV in use, step clock."""
+
+    heap: list[tuple[int, int, SimRequest]] = field(default_factory=list)
+    """(step of its last token, order, request)."""
+    num_running: int = 0
+    context_sum: int = 0
+    kv_used: int = 0
+    step: int = 0
+    step_ends: list[float] = field(default_factory=list)
+
+    def start(self, req: SimRequest, first_step: int) -> None:
+        """req decodes from first_step on (its first token already out)."""
+        req.step_ends, req.first_step = self.step_ends, first_step
+        heapq.heappush(self.heap, (first_step + req.output_len - 2, id(req), req))
+        self.num_running += 1
+        self.context_sum += req.prompt_len + 1
+
+    def end_step(self, now: float) -> None:
+        """Every running sequence got a token at `now`; the finished leave."""
+        self.step_ends.append(now)
+        self.context_sum += self.num_running
+        while self.heap and self.heap[0][0] == self.step:
+            req = heapq.heappop(self.heap)[2]
+            req.done = now
+            self.num_running -= 1
+            self.context_sum -= req.prompt_len + req.output_len
+            self.kv_used -= req.prompt_len + req.output_len
+        self.step += 1
+
+
+class DecodeWorker:
+    """Continuous batching of handed-off requests."""
+
+    def __init__(self, cost: StepCost, share: float, max_num_seqs: int, kv_capacity: int | None):
+        self.cost, self.max_num_seqs = cost, max_num_seqs
+        self.slow = cost.profile.slowdown("decode", share)
+        self.kv_capacity = kv_capacity or sys_maxsize()
+        self.waiting: deque[SimRequest] = deque()
+        self.batch = BatchState()
+        self.now = 0.0
+
+    @property
+    def load(self) -> float:
+        return (self.batch.num_running + len(self.waiting)) * self.slow
+
+    def add(self, req: SimRequest, t: float) -> None:
+        if not self.batch.num_running and not self.waiting:
+            self.now = max(self.now, t)
+        self.waiting.append(req)
+
+    def advance_to(self, t: float) -> None:
+        batch = self.batch
+        while (batch.num_running or self.waiting) and self.now < t:
+            while self.waiting and batch.num_running < self.max_num_seqs:
+                need = self.waiting[0].prompt_len + self.waiting[0].output_len
+                if batch.num_running and batch.kv_used + need > self.kv_capacity:
+                    break
+                batch.kv_used += need
+                batch.start(self.waiting.popleft(), batch.step)
+            self.now += self.cost.decode(batch.num_running, batch.context_sum / batch.num_running) * self.slow
+            batch.end_step(self.now)
+
+
+class ColocatedWorker:
+    """Chunked prefill beside the decodes, in one engine."""
+
+    def __init__(self, cost: StepCost, share: float, chunk: int, max_num_seqs: int, kv_capacity: int | None):
+        self.cost, self.chunk, self.max_num_seqs = cost, chunk, max_num_seqs
+        self.slow = cost.profile.slowdown("decode", share)
+        self.kv_capacity = kv_capacity or sys_maxsize()
+        self.waiting: deque[SimRequest] = deque()
+        self.prefilling: deque[list[Any]] = deque()  # [request, prompt tokens still to run]
+        self.batch = BatchState()
+        self.now = 0.0
+
+    @property
+    def load(self) -> float:
+        return (self.batch.num_running + len(self.prefilling) + len(self.waiting)) * self.slow
+
+    def add(self, req: SimRequest, t: float) -> None:
+        if not (self.batch.num_running or self.prefilling or self.waiting):
+            self.now = max(self.now, t)
+        self.waiting.append(req)
+
+    def _admit(self) -> None:
+        batch = self.batch
+        while self.waiting and batch.num_running + len(self.prefilling) < self.max_num_seqs:
+            need = self.waiting[0].prompt_len + self.waiting[0].output_len
+            if (batch.num_running or self.prefilling) and batch.kv_used + need > self.kv_capacity:
+                break
+            batch.kv_used += need
+            req = self.waiting.popleft()
+            self.prefilling.append([req, req.prompt_len])
+
+    def advance_to(self, t: float) -> None:
+        batch = self.batch
+        while (batch.num_running or self.prefilling or self.waiting) and self.now < t:
+            self._admit()
+            budget, tokens, surcharge, finished = max(0, self.chunk - batch.num_running), 0, 0.0, []
+            for entry in self.prefilling:
+                if budget == 0:
+                    break
+                n = min(entry[1], budget)
+                entry[1] -= n
+                budget, tokens = budget - n, tokens + n
+                surcharge += self.cost.surcharge(entry[0].prompt_len, n)
+                if entry[1] == 0:
+                    finished.append(entry[0])
+            decodes = batch.num_running
+            context = batch.context_sum / decodes if decodes else 0.0
+            self.now += self.cost.mixed(tokens, decodes, context, surcharge) * self.slow
+            batch.end_step(self.now)
+            for req in finished:
+                self.prefilling.popleft()
+                req.first_token = self.now
+                if req.output_len > 1:
+                    batch.start(req, batch.step)
+                else:
+                    req.done = self.now
+                    batch.kv_used -= req.prompt_len + req.output_len
+
+
+def sys_maxsize() -> int:
+    return 1 << 62
+
+
+def kv_tokens(profile: Profile, share: float) -> int | None:
+    return None if profile.kv_capacity_tokens is None else int(profile.kv_capacity_tokens * share)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Batching limits of the simulated workers."""
+
+    max_num_seqs: int = 128
+    """Sequences a decode (or colocated) worker runs at once."""
+
+
+def make_requests(arrivals: np.ndarray, prompt_lens: np.ndarray, output_lens: np.ndarray) -> list[SimRequest]:
+    return [SimRequest(float(t), int(i), int(o)) for t, i, o in zip(arrivals, prompt_lens, output_lens, strict=True)]
+
+
+def _feed(workers: Sequence[Any], events: Sequence[tuple[float, SimRequest]], pick: Callable[[Any], float]) -> None:
+    """Hand each (time, request) in time order to the worker with the least pick(worker), then drain them."""
+    for t, req in events:
+        for w in workers:
+            w.advance_to(t)
+        min(workers, key=pick).add(req, t)
+    for w in workers:
+        w.advance_to(math.inf)
+
+
+def simulate(layout: Layout, cost: StepCost, requests: list[SimRequest], sim: SimConfig) -> list[SimRequest]:
+    """Run the requests (arrival-ordered) through the layout; the same list, with their times filled in."""
+    profile = cost.profile
+    arrivals = [(r.arrival, r) for r in requests]
+    if layout.kind == "colocated":
+        assert layout.chunk is not None
+        workers = [
+            ColocatedWorker(cost, s.sm_share, layout.chunk, sim.max_num_seqs, profile.kv_capacity_tokens)
+            for s in layout.decode
+        ]
+        _feed(workers, arrivals, lambda w: w.load)
+        return requests
+    handed: list[tuple[float, SimRequest]] = []
+
+    def first_token(req: SimRequest) -> None:
+        if req.output_len > 1:
+            handed.append((req.first_token + profile.handoff_time(req.prompt_len) / 1e3, req))
+        else:
+            req.done = req.first_token
+
+    prefill = [PrefillWorker(cost, s.sm_share, profile.prefill_budget, first_token) for s in layout.prefill]
+    _feed(prefill, arrivals, lambda w: w.queued_tokens * w.slow)
+    decode = [DecodeWorker(cost, s.sm_share, sim.max_num_seqs, kv_tokens(profile, s.kv_share)) for s in layout.decode]
+    _feed(decode, sorted(handed, key=lambda e: e[0]), lambda w: w.load)
+    return requests
