@@ -9,8 +9,9 @@ profile (pdserve's engine runs one forward pass per step; this replays its sched
   context) x slowdown; a waiting request joins at a step boundary while the batch is under max_num_seqs and its KV
   (prompt + output tokens) fits the worker's capacity.
 - Colocated worker: each step runs the decodes plus up to `chunk - decodes` prompt tokens (chunked prefill,
-  decodes first as pdserve's scheduler does); a mixed step lasts prefill_time(chunk + decodes) plus the decodes'
-  attention beyond the shortest profiled context: decode_time(B, ctx) - decode_time(B, ctx_min).
+  decodes first as pdserve's scheduler does); a mixed step lasts the decode step plus the chunk's marginal
+  prefill cost, decode_time(B, ctx) + prefill_time(c + B) - prefill_time(B) (one forward pass reads the weights
+  once for both), plus the chunk's share of its prompt's surcharge.
 Routing: prefill to the least queued tokens x slowdown, decode and colocated to the fewest requests x slowdown.
 """
 
@@ -69,7 +70,6 @@ class StepCost:
         self.profile = profile
         self._decode: dict[tuple[int, int], float] = {}
         self._prefill: dict[int, float] = {}
-        self.min_context = profile.decode_contexts[0]
 
     def prefill(self, tokens: int) -> float:
         if tokens not in self._prefill:
@@ -90,8 +90,10 @@ class StepCost:
         """A colocated step: prefill_tokens of prompts beside `batch` decodes (module docstring)."""
         if prefill_tokens == 0:
             return self.decode(batch, context)
-        extra = self.decode(batch, context) - self.decode(batch, self.min_context) if batch else 0.0
-        return self.prefill(prefill_tokens + batch) + surcharge + max(0.0, extra)
+        if batch == 0:
+            return self.prefill(prefill_tokens) + surcharge
+        chunk = max(0.0, self.prefill(prefill_tokens + batch) - self.prefill(batch))
+        return self.decode(batch, context) + chunk + surcharge
 
 
 class PrefillWorker:

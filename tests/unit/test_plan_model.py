@@ -1,0 +1,153 @@
+"""The planner's model on synthetic profiles: interpolation, layouts and their cluster flags, exact single-request
+timelines through each worker kind, and a prefill-bound and a decode-bound case picking different layouts."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve.router.plan import cli
+from pdserve.router.plan.layouts import colocated, disaggregated, layouts_for
+from pdserve.router.plan.profile import Profile, interpolate
+from pdserve.router.plan.simulate import SimConfig, SimRequest, StepCost, simulate
+
+
+def profile_doc(pre_per_token: float, pre_fixed: float, dec_fixed: float, dec_per_seq: float, gpus: int = 3) -> dict:
+    """Prefill ms = fixed + per_token * tokens; decode step ms = fixed + per_seq * batch (no context term)."""
+    pre = [{"tokens": t, "ms": pre_fixed + pre_per_token * t} for t in (64, 4096)]
+    dec = [{"batch": b, "context": c, "ms": dec_fixed + dec_per_seq * b} for b in (1, 128) for c in (128, 4096)]
+    return {"version": 1, "gpu": "synthetic", "num_gpus": gpus, "prefill": {"budget": 4096, "points": pre},
+            "decode": {"points": dec}, "handoff": {"fixed_ms": 2.0, "ms_per_token": 0.0}}  # fmt: skip
+
+
+PREFILL_BOUND = profile_doc(0.5, 5.0, 3.0, 0.01)
+"""Prompts cost 0.5 ms a token, a decode step ~3 ms: a prefill chunk stalls the decodes it rides with."""
+DECODE_BOUND = profile_doc(0.01, 5.0, 10.0, 0.5)
+"""Prompts are cheap, a decode step costs 10 + 0.5 ms per sequence."""
+
+
+def test_interpolation_is_piecewise_linear_and_extrapolates_the_end_segments() -> None:
+    xs, ys = [10.0, 20.0, 40.0], [1.0, 3.0, 4.0]
+    assert [interpolate(xs, ys, x) for x in (10, 15, 30, 40)] == [1.0, 2.0, 3.5, 4.0]
+    assert interpolate(xs, ys, 80) == 6.0 and interpolate(xs, ys, 5) == 0.0 and interpolate([1], [7], 9) == 7.0
+
+
+def test_profile_round_trips_and_rejects_a_grid_with_holes() -> None:
+    profile = Profile.from_json(DECODE_BOUND | {"mps_slowdown": {"decode": {"50": 1.25}}})
+    assert Profile.from_json(profile.to_json()) == profile
+    assert profile.decode_time(64, 1000) == pytest.approx(10 + 0.5 * 64)
+    assert profile.prefill_time(1000) == pytest.approx(5 + 10)
+    assert profile.slowdown("decode", 0.5) == 1.25 and profile.slowdown("prefill", 0.5) == 2.0
+    assert profile.slowdown("decode", 1.0) == 1.0
+    holes = dict(DECODE_BOUND, decode={"points": DECODE_BOUND["decode"]["points"][:-1]})
+    with pytest.raises(ValueError, match="every batch x context"):
+        Profile.from_json(holes)
+    with pytest.raises(ValueError, match="version"):
+        Profile.from_json(DECODE_BOUND | {"version": 9})
+
+
+def test_long_prompts_pay_the_measured_whole_prompt_time_over_their_chunks() -> None:
+    doc = dict(PREFILL_BOUND, prefill={"budget": 1000, "points": [{"tokens": 1000, "ms": 100.0},
+                                                                  {"tokens": 4000, "ms": 700.0}]})  # fmt: skip
+    profile = Profile.from_json(doc)
+    assert profile.prefill_surcharge(800) == 0.0 and profile.prefill_surcharge(4000) == pytest.approx(300.0)
+    req = simulate(disaggregated(1, 1, 2, (50, 50)), StepCost(profile), [SimRequest(0.0, 4000, 1)], SimConfig())[0]
+    assert req.first_token == pytest.approx(0.7) and req.done == req.first_token
+
+
+def test_layouts_of_two_gpus_and_their_cluster_flags() -> None:
+    names = [layout.name for layout in layouts_for(2)]
+    assert names == ["colocated-c512", "colocated-c2048", "1P:1D", "1P:2D-shared", "2P:1D-shared"]
+    assert [layout.name for layout in layouts_for(1)] == ["colocated-c512", "colocated-c2048", "1P:1D-shared"]
+    assert len(layouts_for(4)) == 2 + 3 + 4
+    assert colocated(2, 512).cluster_flags(64) == [
+        "--max-num-seqs", "64", "--colocated", "--decode", "2", "--decode-gpus", "0,1",
+        "--max-num-batched-tokens", "512", "--prefill-chunk-size", "512",
+    ]  # fmt: skip
+    shared = disaggregated(2, 1, 2, (70, 30))
+    assert shared.cluster_flags(128)[2:] == [
+        "--prefill", "2", "--decode", "1", "--prefill-gpus", "0,1", "--decode-gpus", "1", "--mps-split", "70/30",
+    ]  # fmt: skip
+    assert [w.sm_share for w in shared.prefill] == [0.7, 0.7] and shared.decode[0].kv_share == 0.5
+    assert disaggregated(1, 1, 2, (50, 50)).cluster_flags(8)[-4:] == ["--prefill-gpus", "0", "--decode-gpus", "1"]
+
+
+def test_one_request_through_prefill_handoff_and_decode_steps() -> None:
+    cost = StepCost(Profile.from_json(DECODE_BOUND))
+    req = simulate(disaggregated(1, 1, 2, (50, 50)), cost, [SimRequest(1.0, 1000, 5)], SimConfig())[0]
+    assert req.ttft == pytest.approx(0.015)  # prefill 5 + 0.01 * 1000 ms
+    step = (10 + 0.5) / 1e3
+    assert req.done == pytest.approx(1.015 + 0.002 + 4 * step)  # handoff, then 4 decode steps at batch 1
+    assert req.tpot == pytest.approx((0.002 + 4 * step) / 4) and req.itl_p99() == pytest.approx(0.002 + step, rel=0.1)
+
+
+def test_colocated_prefills_in_chunks_then_decodes_one_token_a_step() -> None:
+    cost = StepCost(Profile.from_json(PREFILL_BOUND))
+    req = simulate(colocated(1, 512), cost, [SimRequest(0.0, 1200, 3)], SimConfig())[0]
+    chunks = (5 + 0.5 * 512) * 2 + (5 + 0.5 * 176)  # three chunk steps, alone
+    assert req.first_token == pytest.approx(chunks / 1e3)
+    assert req.done == pytest.approx((chunks + 2 * (3 + 0.01)) / 1e3)
+
+
+def test_mps_share_slows_a_shared_layouts_workers() -> None:
+    cost = StepCost(Profile.from_json(DECODE_BOUND))
+    req = simulate(disaggregated(1, 1, 1, (50, 50)), cost, [SimRequest(0.0, 1000, 2)], SimConfig())[0]
+    assert req.ttft == pytest.approx(0.030) and req.done == pytest.approx(0.030 + 0.002 + 2 * 0.0105)
+
+
+def test_decode_batch_waits_for_kv_room() -> None:
+    doc = DECODE_BOUND | {"kv_capacity_tokens": 1500}
+    reqs = [SimRequest(0.0, 1000, 3), SimRequest(0.0, 1000, 3)]
+    done = simulate(disaggregated(1, 1, 2, (50, 50)), StepCost(Profile.from_json(doc)), reqs, SimConfig())
+    assert done[1].done - done[0].done == pytest.approx(2 * 0.0105, rel=0.05)  # NOTE: the second runs after the first
+    assert all(not math.isnan(r.done) for r in done)
+
+
+def run_plan(doc: dict[str, Any], tmp_path: Path, workload: str, slo: str) -> dict[str, Any]:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(doc))
+    args = cli.build_parser().parse_args(["--profile", str(path), "--workload", workload, "--slo", slo,
+                                          "--num-requests", "150"])  # fmt: skip
+    return cli.plan(args)
+
+
+def test_prefill_bound_and_decode_bound_pick_different_layouts(tmp_path: Path) -> None:
+    prefill_bound = run_plan(PREFILL_BOUND, tmp_path, "long-input", "ttft:10000,itl_p99:50")
+    decode_bound = run_plan(DECODE_BOUND, tmp_path, "chat", "ttft:2000,tpot:25")
+    assert prefill_bound["recommended"] == "2P:1D" and prefill_bound["ratio_to_best_colocated"] > 1.1
+    rows = {r["layout"]: r for r in prefill_bound["layouts"]}
+    assert rows["colocated-c2048"]["breaks_first"] == "itl_p99" and rows["2P:1D"]["breaks_first"] == "ttft"
+    assert rows["2P:1D"]["goodput"] > 2 * rows["1P:2D"]["goodput"]  # NOTE: prompts need the second prefill GPU
+    assert decode_bound["recommended"].startswith("colocated")
+    rows = {r["layout"]: r for r in decode_bound["layouts"]}
+    assert rows["1P:2D"]["goodput"] > 2 * rows["2P:1D"]["goodput"] and rows["2P:1D"]["breaks_first"] == "tpot"
+    assert decode_bound["cluster_flags"][2] == "--colocated"
+
+
+def test_an_unmeetable_slo_recommends_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_plan(PREFILL_BOUND, tmp_path, "long-input", "ttft:100,tpot:50")  # NOTE: a 4000-token prompt takes 2 s
+    assert doc["recommended"] is None and all(r["goodput"] == 0 for r in doc["layouts"])
+    assert "misses the SLO even at a trickle" in doc["layouts"][0]["why"]
+    argv = ["--profile", str(tmp_path / "profile.json"), "--workload", "long-input", "--slo", "ttft:100"]
+    assert cli.main([*argv, "--num-requests", "50", "--launch-flags"]) == 1
+    assert "no layout meets" in capsys.readouterr().err
+
+
+def test_slo_parsing() -> None:
+    assert cli.parse_slo("ttft:1000,tpot:15") == {"ttft": 1000.0, "tpot": 15.0}
+    assert cli.parse_slo("itl_p99:50") == {"itl_p99": 50.0}
+    for bad in ("ttft", "p99:3", ""):
+        with pytest.raises(ValueError):
+            cli.parse_slo(bad)
+
+
+def test_plan_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, pdserve.router.plan.cli; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
