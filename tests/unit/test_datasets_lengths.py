@@ -72,7 +72,7 @@ def test_sampled_workload_is_poisson_over_the_run_with_exact_prompt_lengths() ->
     vocab = ds.VocabInfo(512, (2,))
     workload = ds.sampled_workload(vocab, WORKLOADS["chat"], rate=20.0, duration_s=50.0, max_model_len=512, seed=3)
     specs = workload.requests
-    times = [s.start_time for s in specs]
+    times = [s.start_time or 0.0 for s in specs]
     assert len(specs) == pytest.approx(1000, rel=0.1) and times == sorted(times) and times[0] >= 0 and times[-1] < 50
     assert all(s.prompt_len + s.output_len <= 512 and 2 not in s.prompt_ids for s in specs)
     assert {s.tag for s in specs} == {"chat"}

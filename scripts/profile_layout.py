@@ -1,0 +1,195 @@
+#!/usr/bin/env python3
+"""The planner's profile of one GPU (router/plan/profile.py): the engine's time to the first token of one prompt
+per length, and its decode step time per batch size and context, plus the KV tokens its pool holds.
+
+    python scripts/profile_layout.py --shape llama-8b --gpus 2 --out bench/results/profile-llama-8b.json
+    python scripts/profile_layout.py --smoke --out /tmp/profile.json      # tiny shape on CPU, no timing claims
+    pdserve-plan --profile bench/results/profile-llama-8b.json --workload long-input --slo ttft:1000,tpot:15
+
+The engine is built as a worker builds it (dummy weights, the pool sized from free memory), prefill with the
+prefill worker's step budget (--max-num-batched-tokens). A decode grid point whose sequences do not fit the pool
+is extrapolated along the batch from the two largest batches that fit, and marked so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_decode import replay_ms
+from bench_moe import TINY, stats, sync, write_model
+
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.engine import Engine
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.router.plan.profile import PROFILE_VERSION, Profile
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What to measure."""
+
+    prompt_lens: tuple[int, ...]
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    budget: int
+    """max_num_batched_tokens of the engine (the prefill worker's step budget)."""
+    steps: int
+    """Timed decode steps per grid point."""
+    repeats: int
+    """Timed prefills per length."""
+
+
+GPU_GRID = Grid((128, 512, 1024, 2048, 4096, 8192), (1, 16, 64, 128), (512, 2048, 8192), 4096, 20, 3)
+SMOKE_GRID = Grid((16, 64, 128), (1, 4), (32, 128), 64, 3, 2)
+
+
+def make_engine(folder: Path, device: str, grid: Grid, num_blocks: int | None) -> Engine:
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    model = ModelConfig.from_pretrained(folder, dtype=dtype, load_format="dummy")
+    cache = CacheConfig(num_blocks=num_blocks, enable_prefix_caching=False)
+    scheduler = SchedulerConfig(max_num_seqs=max(grid.batches), max_num_batched_tokens=grid.budget)
+    return Engine(EngineConfig(model, cache, scheduler, device=device))
+
+
+def prompt(engine: Engine, n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, engine.config.model.vocab_size, (n,), generator=gen).tolist()  # type: ignore[no-any-return]
+
+
+def prefill_ms(engine: Engine, n: int, repeats: int) -> dict[str, Any]:
+    """Add one prompt of n tokens (max_tokens 1), step until its token is out: median time over repeats."""
+    device, counter = engine.runner.device, itertools.count()
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    prompts = [prompt(engine, n, seed) for seed in range(repeats + 1)]
+    times = []
+    for i, ids in enumerate(prompts):
+        sync(device)
+        start = time.perf_counter()
+        engine.add_request(f"p{n}-{next(counter)}", ids, one)
+        while not engine.step():
+            pass
+        sync(device)
+        if i > 0:  # NOTE: the first call of a length compiles and allocates
+            times.append((time.perf_counter() - start) * 1e3)
+        engine.flush_commits()
+    return {"tokens": n, "ms": round(statistics.median(times), 4), **stats("ttft", times)}
+
+
+def decode_ms(engine: Engine, batch: int, context: int, steps: int) -> dict[str, Any]:
+    """engine.step() times while `batch` sequences of `context` prompt tokens decode (after 2 warm-up steps)."""
+    device = engine.runner.device
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    ids = [f"d{batch}-{context}-{k}" for k in range(batch)]
+    for k, rid in enumerate(ids):
+        engine.add_request(rid, prompt(engine, context, k), params)
+    started: set[str] = set()
+    while len(started) < batch:
+        started.update(out.request_id for out in engine.step())
+    engine.step()
+    engine.step()
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        engine.step()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    graph = (
+        replay_ms(engine, batch)
+        if engine.runner.graphs is not None and batch <= engine.runner.graphs.max_size
+        else None
+    )
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    engine.flush_commits()
+    return {"batch": batch, "context": context, "ms": round(statistics.median(times), 4), "graph_replay_ms": graph}
+
+
+def fits(capacity: int, batch: int, context: int, steps: int) -> bool:
+    return batch * (context + steps + 16) <= capacity
+
+
+def extrapolated(rows: dict[int, dict[str, Any]], batch: int, context: int) -> dict[str, Any]:
+    """A point beyond the pool, along the line through the two largest measured batches of this context."""
+    (b0, r0), (b1, r1) = sorted(rows.items())[-2:]
+    ms = r1["ms"] + (r1["ms"] - r0["ms"]) * (batch - b1) / (b1 - b0)
+    return {"batch": batch, "context": context, "ms": round(ms, 4), "extrapolated": True}
+
+
+def decode_grid(engine: Engine, grid: Grid, capacity: int) -> list[dict[str, Any]]:
+    points = []
+    for context in grid.contexts:
+        rows: dict[int, dict[str, Any]] = {}
+        for batch in grid.batches:
+            if fits(capacity, batch, context, grid.steps) or len(rows) < 2:
+                size = batch if fits(capacity, batch, context, grid.steps) else max(1, capacity // (context + 64))
+                rows[size] = decode_ms(engine, size, context, grid.steps)
+                print(f"decode batch {size} context {context}: {rows[size]['ms']:.3f} ms", flush=True)
+            point = rows.get(batch) or extrapolated(rows, batch, context)
+            points.append(point | {"batch": batch})
+    return points
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="llama-8b", help="a make_bench_model.py shape")
+    p.add_argument("--gpus", type=int, default=2, help="GPUs the planner lays out by default")
+    p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, float32: runs end to end")
+    p.add_argument("--max-model-len", type=int, default=None, help="recorded for the planner (default: the shape's)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (default: sized from free memory)")
+    p.add_argument("--out", required=True, help="write the profile here")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA device (--smoke runs on CPU)", file=sys.stderr)
+        return 2
+    grid = SMOKE_GRID if args.smoke else GPU_GRID
+    folder = write_model(args.shape, Path(tempfile.mkdtemp(prefix="profile_layout_")), dict(TINY) if args.smoke else {})
+    num_blocks = args.num_blocks or (256 if args.smoke else None)
+    engine = make_engine(folder, device, grid, num_blocks)
+    capacity = (engine.pool.num_blocks - 1) * engine.config.cache.block_size
+    prefill = []
+    for n in grid.prompt_lens:
+        prefill.append(prefill_ms(engine, n, grid.repeats))
+        print(f"prefill {n} tokens: {prefill[-1]['ms']:.3f} ms", flush=True)
+    config = json.loads((folder / "config.json").read_text())
+    doc = {
+        "version": PROFILE_VERSION,
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "num_gpus": args.gpus,
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "torch": torch.__version__,
+        "model": {"shape": args.shape, "dtype": engine.config.model.dtype, "smoke": args.smoke,
+                  "num_hidden_layers": config.get("num_hidden_layers"),
+                  "max_model_len": args.max_model_len or config.get("max_position_embeddings")},
+        "prefill": {"budget": grid.budget, "points": prefill},
+        "decode": {"points": decode_grid(engine, grid, capacity)},
+        "kv_capacity_tokens": capacity,
+    }  # fmt: skip
+    Profile.from_json(doc)  # NOTE: the planner must read what was written
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
