@@ -154,3 +154,18 @@ def test_summary_table_and_plots_one_line_per_layout(tmp_path: Path) -> None:
 def test_each_rate_writes_beside_the_summary() -> None:
     assert rate_path("out/serving.json", 2.0) == Path("out/serving.rate-2.json")
     assert rate_path("out/s.json", 0.25) == Path("out/s.rate-0.25.json")
+
+
+def test_a_saved_sweep_is_rescored_under_other_slos(tmp_path: Path) -> None:
+    from pdserve.router.benchmark.metrics import record_json
+    from pdserve.router.benchmark.rescore import rescore
+
+    window, records = Window(0.0, 10.0), [record(i, i * 0.5, 0.1 + 0.05 * i, [0.01]) for i in range(20)]
+    result = rate_result(2.0, records, window, {"ttft": 10_000.0}, 2)
+    config = {"sweep": {"warmup": 0.0, "duration": 10.0}}
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"config": config, "sweep": summary([result], {"ttft": 10_000.0}, 2, "1P:1D", 0.9)}))
+    rate_path(path, 2.0).write_text(json.dumps({**result, "requests": [record_json(r) for r in records]}))
+    tight = rescore(path, {"ttft": 500.0})
+    assert tight["sweep"]["rates"][0]["slo_attainment"] == 9 / 20  # TTFT 100 + 50 i ms <= 500 for i <= 8
+    assert tight["sweep"]["layout"] == "1P:1D" and tight["sweep"]["slos_ms"] == {"ttft": 500.0}
