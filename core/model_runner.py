@@ -202,7 +202,7 @@ class ModelRunner:
         return isinstance(self.backend, TritonAttention)
 
     def _uses_graphs(self) -> bool:
-        # NOTE: a model whose forward reads device values on the host (the torch MoE) says capturable = False
+        # NOTE: a model whose forward reads device values on the host (MoE experts on the torch loop) says so
         return self._uses_triton() and not self.cfg.enforce_eager and getattr(self.model, "capturable", True)
 
     def _capture_graphs(self) -> DecodeGraphs:

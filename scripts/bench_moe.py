@@ -97,8 +97,9 @@ class Setup:
 
     @property
     def max_tokens(self) -> int:
-        """Every decoding request's output budget: more than it generates."""
-        return self.warmup_steps + self.steps + 8
+        """Every decoding request's output budget: more than it generates. The first requests of a batch decode
+        while the others prefill, one prompt per pass at least, so up to max(batches) tokens before timing."""
+        return self.warmup_steps + self.steps + max(self.batches) + 8
 
 
 def make_setup(args: argparse.Namespace) -> Setup:
@@ -299,6 +300,8 @@ def decode_batch(engine: Engine, batch: int, setup: Setup) -> dict[str, Any]:
         engine.step()
         times.append((time.perf_counter() - start) * 1e3)
     sync(device)
+    if len(engine.scheduler.running) != batch:
+        raise RuntimeError(f"{len(engine.scheduler.running)} of {batch} sequences still decode after the timed steps")
     row: dict[str, Any] = {"sequences_running": len(engine.scheduler.running), **stats("tpot", times)}
     row["output_tok_per_s"] = round(batch / (row["median_tpot_ms"] / 1e3), 1)
     row["graph_replay_ms"] = replay_ms(engine, batch)
