@@ -15,7 +15,8 @@ from pdserve.core.config import EngineConfig
 from pdserve.core.messages import Message, RankOpenCmd, RankPullCmd, RankPullDoneEvent
 from pdserve.core.model_runner import ModelRunner
 from pdserve.core.rank_follower import RankFollower
-from pdserve.kvtransfer.base import TRANSPORTS, KVTransferError, KVTransferSink, PullHandle, make_sink
+from pdserve.kvtransfer.base import TRANSPORTS, KVTransferError, KVTransferSink, PullHandle
+from pdserve.kvtransfer.factory import make_sink
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool
 

@@ -50,7 +50,8 @@ from pdserve.core.messages import (
 from pdserve.core.rank_group import RankGroup
 from pdserve.core.sampler import SamplingState
 from pdserve.core.worker_base import WorkerBase
-from pdserve.kvtransfer.base import AUTO, TRANSPORTS, KVTransferError, KVTransferSink, PullHandle, make_sink
+from pdserve.kvtransfer.base import TRANSPORTS, KVTransferError, KVTransferSink, PullHandle
+from pdserve.kvtransfer.factory import AUTO, make_sink
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool
 

@@ -44,18 +44,6 @@ from pdserve.kvtransfer.pool import KVPool
 
 Transport = Literal["shm", "cuda_ipc", "dist"]
 TRANSPORTS: tuple[Transport, ...] = ("shm", "cuda_ipc", "dist")
-AUTO = "auto"
-"""A cluster's transport choice besides forcing one of TRANSPORTS: each prefill/decode pair picks its own."""
-
-
-def pair_transport(choice: str, same_host: bool, device: torch.device) -> str:
-    """The transport of one prefill/decode pair: `choice` when it forces one; under auto the host-local one
-    (cuda_ipc for CUDA pools, shm for CPU ones) within a host, dist across hosts."""
-    if choice != AUTO:
-        return _check_kind(choice)
-    if not same_host:
-        return "dist"
-    return "cuda_ipc" if device.type == "cuda" else "shm"
 
 
 class KVTransferError(RuntimeError):
@@ -321,34 +309,6 @@ class KVTransferSink(ABC):
         """For each segment s: local[:, :, dst, :, s.dst_head:+s.num_heads] = remotes[s.rank][:, :, src, :,
         s.src_head:+s.num_heads] (ids already checked): done, or enqueued and ordered before the caller's current
         stream, on return; the handle tells when the source blocks are no longer read."""
-
-
-def make_source(kind: str, pool: KVPool, host: str = "127.0.0.1") -> KVTransferSource:
-    """The source of transport kind ("shm" | "cuda_ipc" | "dist") over pool; host: where a dist source listens."""
-    from pdserve.kvtransfer.cuda_ipc import CudaIpcSource
-    from pdserve.kvtransfer.dist import DistSource
-    from pdserve.kvtransfer.shm import ShmSource
-
-    if _check_kind(kind) == "dist":
-        return DistSource(pool, host)
-    sources: dict[str, type[KVTransferSource]] = {"shm": ShmSource, "cuda_ipc": CudaIpcSource}
-    return sources[kind](pool)
-
-
-def make_sink(kind: str, local_pool: KVPool, layout: KVLayout) -> KVTransferSink:
-    """The sink of transport kind ("shm" | "cuda_ipc" | "dist") copying into local_pool (of layout)."""
-    from pdserve.kvtransfer.cuda_ipc import CudaIpcSink
-    from pdserve.kvtransfer.dist import DistSink
-    from pdserve.kvtransfer.shm import ShmSink
-
-    sinks: dict[str, type[KVTransferSink]] = {"shm": ShmSink, "cuda_ipc": CudaIpcSink, "dist": DistSink}
-    return sinks[_check_kind(kind)](local_pool, layout)
-
-
-def _check_kind(kind: str) -> str:
-    if kind not in TRANSPORTS:
-        raise ValueError(f"unknown KV transport {kind!r}; choose one of {list(TRANSPORTS)}")
-    return kind
 
 
 def descriptor_field(descriptor: dict[str, Any], name: str, kind: type) -> Any:

@@ -16,7 +16,8 @@ from pdserve.core.busy_poll import busy_poll_seconds
 from pdserve.core.config import EngineConfig
 from pdserve.core.model_runner import ModelRunner
 from pdserve.core.rank_follower import RankFollower
-from pdserve.kvtransfer.base import AUTO, KVTransferSource, make_source
+from pdserve.kvtransfer.base import KVTransferSource
+from pdserve.kvtransfer.factory import AUTO, make_source
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool
 from pdserve.prefill_worker.worker import pair_kinds, source_kinds

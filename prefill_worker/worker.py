@@ -34,14 +34,8 @@ from pdserve.core.messages import (
 )
 from pdserve.core.rank_group import RankGroup
 from pdserve.core.worker_base import WorkerBase
-from pdserve.kvtransfer.base import (
-    AUTO,
-    KVTransferError,
-    KVTransferSource,
-    make_source,
-    merge_descriptors,
-    pair_transport,
-)
+from pdserve.kvtransfer.base import KVTransferError, KVTransferSource, merge_descriptors
+from pdserve.kvtransfer.factory import AUTO, make_source, pair_transport
 from pdserve.kvtransfer.layout import KVLayout, LayoutMismatchError, check_compatible
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool, remove_stale_segments
@@ -50,7 +44,7 @@ log = logging.getLogger(__name__)
 
 
 def pair_kinds(transport: str, run_dir: str, worker_id: int, num_decode: int, device: torch.device) -> list[str]:
-    """The transport prefill worker worker_id uses with each decode worker (kvtransfer.base.pair_transport; the
+    """The transport prefill worker worker_id uses with each decode worker (kvtransfer.factory.pair_transport; the
     hosts from the run dir's topology)."""
     host = ipc.host_of(run_dir, "prefill", worker_id)
     return [pair_transport(transport, ipc.host_of(run_dir, "decode", j) == host, device) for j in range(num_decode)]
@@ -90,7 +84,7 @@ class PrefillWorker(WorkerBase):
     ) -> None:
         inbox = ipc.prefill_addr(run_dir, worker_id)
         super().__init__(worker_id, run_dir, inbox, heartbeat_interval, group, num_frontends)
-        self.transport = transport  # one of TRANSPORTS, or AUTO: per decode worker (kvtransfer.base.pair_transport)
+        self.transport = transport  # one of TRANSPORTS, or AUTO: per decode worker (kvtransfer.factory.pair_transport)
         self.lease_ttl = lease_ttl
         self.cfg = cfg
         self.host = ipc.host_of(run_dir, "prefill", worker_id)

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from pdserve.core.messages import HandshakeEvent, decode, encode
-from pdserve.kvtransfer.base import make_sink, make_source, merge_descriptors
+from pdserve.kvtransfer.base import merge_descriptors
 from pdserve.kvtransfer.cuda_ipc import CudaIpcSink
+from pdserve.kvtransfer.factory import make_sink, make_source
 from pdserve.kvtransfer.layout import FINGERPRINT_FIELDS, KVLayout, LayoutMismatchError
 from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool
 

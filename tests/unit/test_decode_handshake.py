@@ -40,7 +40,7 @@ from pdserve.core.messages import (
     pack_token_ids,
 )
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.kvtransfer.base import make_source
+from pdserve.kvtransfer.factory import make_source
 from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool
 
 PROMPT = [5, 9, 2, 7, 1, 8, 3, 4, 6, 11, 12, 13, 14, 15, 16, 17, 18, 19]  # 18 tokens: KV of 18 in 2 blocks

@@ -36,7 +36,8 @@ from pdserve.core.request import Request
 from pdserve.core.sampler import SamplingState
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.kvtransfer.base import KVTransferError, PullHandle, make_source
+from pdserve.kvtransfer.base import KVTransferError, PullHandle
+from pdserve.kvtransfer.factory import make_source
 from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool
 from pdserve.kvtransfer.shm import ShmSink
 from tests.hf_reference import hf_greedy, random_prompts

@@ -36,7 +36,8 @@ from pdserve.core.messages import (
 )
 from pdserve.core.worker_base import PENDING_POLL_MS
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.kvtransfer.base import KVTransferError, PullHandle, make_source
+from pdserve.kvtransfer.base import KVTransferError, PullHandle
+from pdserve.kvtransfer.factory import make_source
 from pdserve.kvtransfer.pool import allocate_kv_pool
 from pdserve.kvtransfer.shm import ShmSink
 

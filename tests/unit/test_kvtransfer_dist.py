@@ -18,16 +18,8 @@ import torch
 
 from pdserve.core import ipc
 from pdserve.kvtransfer import dist as kvdist
-from pdserve.kvtransfer.base import (
-    KVTransferError,
-    KVTransferSink,
-    Segment,
-    make_sink,
-    make_source,
-    merge_descriptors,
-    pair_transport,
-    plan_segments,
-)
+from pdserve.kvtransfer.base import KVTransferError, KVTransferSink, Segment, merge_descriptors, plan_segments
+from pdserve.kvtransfer.factory import make_sink, make_source, pair_transport
 from pdserve.kvtransfer.layout import KVLayout, LayoutMismatchError, kv_head_ranges
 from pdserve.kvtransfer.pool import allocate_kv_pool
 from pdserve.prefill_worker.worker import pair_kinds, source_kinds

@@ -11,7 +11,7 @@ from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
 from pdserve.core.engine import Engine
 from pdserve.core.sampler import SamplingState
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.kvtransfer.base import make_sink, make_source
+from pdserve.kvtransfer.factory import make_sink, make_source
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.lease import LeaseTable
 from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool

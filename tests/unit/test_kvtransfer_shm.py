@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from pdserve.core.messages import HandshakeEvent, decode, encode
-from pdserve.kvtransfer.base import KVTransferError, PullHandle, make_sink, make_source
+from pdserve.kvtransfer.base import KVTransferError, PullHandle
+from pdserve.kvtransfer.factory import make_sink, make_source
 from pdserve.kvtransfer.layout import KVLayout, LayoutMismatchError
 from pdserve.kvtransfer.pool import SHM_DIR, KVPool, allocate_kv_pool, attach_shm_pool, remove_stale_segments
 
@@ -32,7 +33,7 @@ SINK_SCRIPT = """
 import json, sys
 from dataclasses import replace
 import msgpack, torch
-from pdserve.kvtransfer.base import make_sink
+from pdserve.kvtransfer.factory import make_sink
 from pdserve.kvtransfer.layout import FINGERPRINT_FIELDS, KVLayout
 from pdserve.kvtransfer.pool import allocate_kv_pool
 

@@ -11,7 +11,8 @@ import msgpack
 import pytest
 import torch
 
-from pdserve.kvtransfer.base import KVTransferError, Segment, make_sink, make_source, merge_descriptors, plan_segments
+from pdserve.kvtransfer.base import KVTransferError, Segment, merge_descriptors, plan_segments
+from pdserve.kvtransfer.factory import make_sink, make_source
 from pdserve.kvtransfer.layout import KVLayout, LayoutMismatchError, kv_head_ranges
 from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool
 
