@@ -20,6 +20,15 @@ _MOE_TYPES: dict[str, Arch] = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+KVPoolShape = tuple[int, int, int, int, int, int]
+
+
+def kv_pool_shape(num_layers: int, num_blocks: int, block_size: int, num_heads: int, head_dim: int) -> KVPoolShape:
+    """One rank's KV pool, a single tensor [num_layers, 2, num_blocks, block_size, num_heads, head_dim]: index 0 of
+    dim 1 is K, 1 is V; num_heads are the rank's KV heads (core.parallel.kv_head_range)."""
+    return (num_layers, 2, num_blocks, block_size, num_heads, head_dim)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """'float32' | 'float16' | 'bfloat16' -> torch dtype."""
     try:

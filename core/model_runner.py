@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pdserve.core.config import EngineConfig
+from pdserve.core.config import EngineConfig, KVPoolShape, kv_pool_shape
 from pdserve.core.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pdserve.core.decode_batch import DecodeBatch
 from pdserve.core.messages import RankDecodeCmd, RankPassCmd
@@ -36,9 +37,8 @@ WARMUP_BATCHES = (1, PREFILL_GRAPH_SEQS + 1)
 
 
 def kv_bytes_per_block(cfg: EngineConfig) -> int:
-    m, dtype = cfg.model, cfg.cache.kv_dtype or cfg.model.dtype
-    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
-    return 2 * m.num_layers * cfg.cache.block_size * cfg.kv_heads_per_rank * m.head_dim * elem
+    elem = getattr(torch, cfg.cache.kv_dtype or cfg.model.dtype).itemsize
+    return math.prod(_pool_shape(cfg, 1)) * elem
 
 
 def resolve_num_blocks(cfg: EngineConfig, device: torch.device) -> int:
@@ -59,9 +59,9 @@ KVAllocator = Callable[[int], torch.Tensor]
 """num_blocks -> the whole KV pool [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
 
 
-def kv_pool_shape(cfg: EngineConfig, num_blocks: int) -> tuple[int, ...]:
+def _pool_shape(cfg: EngineConfig, num_blocks: int) -> KVPoolShape:
     m = cfg.model
-    return (m.num_layers, 2, num_blocks, cfg.cache.block_size, cfg.kv_heads_per_rank, m.head_dim)
+    return kv_pool_shape(m.num_layers, num_blocks, cfg.cache.block_size, cfg.kv_heads_per_rank, m.head_dim)
 
 
 def make_backend(cfg: EngineConfig, device: torch.device) -> AttentionBackend:
@@ -167,7 +167,7 @@ class ModelRunner:
         """Decode-sized all-reduces read the peers' symmetric buffers (core/parallel.py), on every rank alike."""
         self.num_blocks = resolve_num_blocks(cfg, self.device)
         kv_dtype = getattr(torch, cfg.cache.kv_dtype or cfg.model.dtype)
-        shape = kv_pool_shape(cfg, self.num_blocks)
+        shape = _pool_shape(cfg, self.num_blocks)
         with phase("KV pool"):
             self.kv_pool = (
                 kv_allocator(self.num_blocks)

@@ -1,20 +1,21 @@
 """The KV pool's layout, and the fingerprint two workers compare before one reads the other's pool.
 
-NOTE: a pool is one contiguous tensor [num_layers, 2, num_blocks, block_size, heads, head_dim] (index 0 of
-dim 1 is K, 1 is V), where heads are the KV heads of one TP rank: kv_head_range(num_kv_heads, tp_size,
-tp_rank) of the model's num_kv_heads. Two groups of ranks are compatible when FINGERPRINT_FIELDS agree and
+A pool is one contiguous tensor of core.config.kv_pool_shape, [num_layers, 2, num_blocks, block_size, heads,
+head_dim] (index 0 of dim 1 is K, 1 is V), where heads are the KV heads of one TP rank: kv_head_range(num_kv_heads,
+tp_size, tp_rank) of the model's num_kv_heads. Two groups of ranks are compatible when FINGERPRINT_FIELDS agree and
 each group holds every KV head on some rank: block ids differ between pools, and a decode rank pulls each of
 its heads from whichever prefill rank holds it (kvtransfer.base plans the head segments).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, TypeGuard
 
 import torch
 
-from pdserve.core.config import EngineConfig, torch_dtype
+from pdserve.core.config import EngineConfig, KVPoolShape, kv_pool_shape, torch_dtype
 from pdserve.core.parallel import kv_head_range
 
 FINGERPRINT_FIELDS = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
@@ -83,9 +84,9 @@ class KVLayout:
         return kv_head_range(self.num_kv_heads, self.tp_size, self.tp_rank)
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int, int]:
-        """[num_layers, 2, num_blocks, block_size, heads of this rank, head_dim]."""
-        return (self.num_layers, 2, self.num_blocks, self.block_size, self.heads[1], self.head_dim)
+    def shape(self) -> KVPoolShape:
+        """[num_layers, 2, num_blocks, block_size, heads of this rank, head_dim] (core.config.kv_pool_shape)."""
+        return kv_pool_shape(self.num_layers, self.num_blocks, self.block_size, self.heads[1], self.head_dim)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -94,10 +95,7 @@ class KVLayout:
     @property
     def nbytes(self) -> int:
         """Bytes of the whole pool."""
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * self.torch_dtype.itemsize
+        return math.prod(self.shape) * self.torch_dtype.itemsize
 
     def fingerprint(self) -> dict[str, Any]:
         """FINGERPRINT_FIELDS and GROUP_FIELDS as plain values (msgpack-able): the same for every rank."""

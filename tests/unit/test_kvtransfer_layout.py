@@ -9,6 +9,7 @@ import msgpack
 import pytest
 
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.core.model_runner import kv_bytes_per_block
 from pdserve.core.parallel import ParallelConfig
 from pdserve.kvtransfer.layout import KVLayout, LayoutMismatchError, check_compatible, kv_head_ranges
 
@@ -107,6 +108,16 @@ def test_from_engine_config_takes_the_models_heads_and_the_rank() -> None:
     assert layout == replace(LAYOUT, tp_size=2, tp_rank=1)
     assert layout.heads == (1, 1) and layout.shape == (4, 2, 64, 16, 1, 16)
     assert layout.nbytes == LAYOUT.nbytes // 2
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_layout_pool_is_the_runners_pool(tp_size: int) -> None:
+    cfg = EngineConfig(
+        model_config(), CacheConfig(block_size=16, kv_dtype="bfloat16"), parallel=ParallelConfig(tp_size=tp_size)
+    )
+    layout = KVLayout.from_engine_config(cfg, num_blocks=64)
+    assert layout.nbytes == 64 * kv_bytes_per_block(cfg)
+    assert layout.shape[4] == cfg.kv_heads_per_rank
 
 
 def test_rank_layouts_hold_their_share_or_a_replicated_head() -> None:
