@@ -19,7 +19,6 @@ so a CUDA graph can capture it. Each sequence's length is read inside the kernel
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -27,14 +26,13 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.rope_tiles import RopeTables, check_tables, load_rotated
+from pdserve.kernels.triton_utils import device_num_sms
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
 """Upper bound of the split-K heuristic."""
 MIN_TOKENS_PER_SPLIT = 512
 """The heuristic gives each split at least this many tokens of the longest possible context."""
-DEFAULT_NUM_SMS = 132
-"""Stand-in SM count where the tensors are not on CUDA (the Triton interpreter)."""
 
 
 class DecodeWorkspace(NamedTuple):
@@ -54,18 +52,6 @@ class DecodeWorkspace(NamedTuple):
     @property
     def max_splits(self) -> int:
         return self.partial_out.shape[2]
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def device_num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _num_sms(index)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:

@@ -17,12 +17,13 @@ reference; the kernels are only compiled on first launch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, overload
+from typing import overload
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from pdserve.kernels.triton_utils import check_rows, jit, use_triton
 
 try:
     import triton
@@ -36,18 +37,10 @@ SILU_BLOCK = 1024
 """Elements per SiLU-and-mul program."""
 
 
-def _jit(fn: Callable[..., None]) -> Any:
-    return fn if triton is None else triton.jit(fn)
-
-
-def _use_triton(x: Tensor) -> bool:
-    return x.is_cuda and triton is not None
-
-
 # ---------------------------------------------------------------------------------------------- RMSNorm
 
 
-@_jit
+@jit
 def _rms_norm_kernel(
     x_ptr,  # [num_tokens, hidden]
     residual_ptr,  # [num_tokens, hidden], read when HAS_RESIDUAL
@@ -79,12 +72,6 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_rows(name: str, t: Tensor, shape: torch.Size, dtype: torch.dtype) -> None:
-    assert t.shape == shape, f"{name} must be {tuple(shape)}, got {tuple(t.shape)}"
-    assert t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}"
-    assert t.stride(-1) == 1, f"{name}: the last dimension must be contiguous"
-
-
 @overload
 def rms_norm_triton(
     x: Tensor, weight: Tensor, eps: float, residual: None = None, *, out: Tensor | None = None
@@ -114,17 +101,17 @@ def rms_norm_triton(
     """
     assert x.dim() == 2, f"x must be [num_tokens, hidden], got {tuple(x.shape)}"
     num_tokens, hidden = x.shape
-    _check_rows("x", x, x.shape, x.dtype)
-    _check_rows("weight", weight, torch.Size([hidden]), weight.dtype)
+    check_rows("x", x, x.shape, x.dtype)
+    check_rows("weight", weight, torch.Size([hidden]), weight.dtype)
     out_dtype = torch.promote_types(x.dtype, weight.dtype)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device) if out is None else out
-    _check_rows("out", out, x.shape, out_dtype)
+    check_rows("out", out, x.shape, out_dtype)
     if residual is None:
         _launch_rms_norm(x, x, weight, out, out, eps, has_residual=False)  # x, out stand in for the residuals
         return out
-    _check_rows("residual", residual, x.shape, x.dtype)
+    check_rows("residual", residual, x.shape, x.dtype)
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual_out is None else residual_out
-    _check_rows("residual_out", residual_out, x.shape, x.dtype)
+    check_rows("residual_out", residual_out, x.shape, x.dtype)
     _launch_rms_norm(x, residual, weight, out, residual_out, eps, has_residual=True)
     return out, residual_out
 
@@ -169,7 +156,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: None = None) -> Te
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor) -> tuple[Tensor, Tensor]: ...
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """rms_norm(x), or (rms_norm(x + residual), x + residual): the Triton kernel on CUDA, torch elsewhere."""
-    if _use_triton(x):
+    if use_triton(x):
         return rms_norm_triton(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)
 
@@ -177,7 +164,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
 # ---------------------------------------------------------------------------------------------- SiLU and mul
 
 
-@_jit
+@jit
 def _silu_and_mul_kernel(
     gate_ptr,  # [num_tokens, inter]
     up_ptr,  # [num_tokens, inter]
@@ -208,10 +195,10 @@ def silu_and_mul_triton(
     """silu(gate) * up in one pass."""
     assert gate.dim() == 2, f"gate must be [num_tokens, inter], got {tuple(gate.shape)}"
     num_tokens, inter = gate.shape
-    _check_rows("gate", gate, gate.shape, gate.dtype)
-    _check_rows("up", up, gate.shape, gate.dtype)
+    check_rows("gate", gate, gate.shape, gate.dtype)
+    check_rows("up", up, gate.shape, gate.dtype)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if out is None else out
-    _check_rows("out", out, gate.shape, gate.dtype)
+    check_rows("out", out, gate.shape, gate.dtype)
     return _launch_silu_and_mul(gate, up, out, half=0)
 
 
@@ -235,9 +222,9 @@ def silu_and_mul_blocks_triton(
     num_tokens, two_inter = gate_up.shape
     inter = two_inter // 2
     assert two_inter % (2 * half) == 0 and half & (half - 1) == 0, f"width {two_inter}, half {half}"
-    _check_rows("gate_up", gate_up, gate_up.shape, gate_up.dtype)
+    check_rows("gate_up", gate_up, gate_up.shape, gate_up.dtype)
     out = torch.empty(num_tokens, inter, dtype=gate_up.dtype, device=gate_up.device) if out is None else out
-    _check_rows("out", out, torch.Size((num_tokens, inter)), gate_up.dtype)
+    check_rows("out", out, torch.Size((num_tokens, inter)), gate_up.dtype)
     return _launch_silu_and_mul(gate_up, gate_up[:, half:], out, half)
 
 
@@ -249,7 +236,7 @@ def silu_and_mul_blocks_ref(gate_up: Tensor, half: int) -> Tensor:  # [n, 2 * in
 
 def silu_and_mul_blocks(gate_up: Tensor, half: int) -> Tensor:
     """silu(gate) * up over interleaved gate/up blocks: the Triton kernel on CUDA, torch elsewhere."""
-    return silu_and_mul_blocks_triton(gate_up, half) if _use_triton(gate_up) else silu_and_mul_blocks_ref(gate_up, half)
+    return silu_and_mul_blocks_triton(gate_up, half) if use_triton(gate_up) else silu_and_mul_blocks_ref(gate_up, half)
 
 
 def silu_and_mul_ref(gate: Tensor, up: Tensor) -> Tensor:
@@ -259,4 +246,4 @@ def silu_and_mul_ref(gate: Tensor, up: Tensor) -> Tensor:
 
 def silu_and_mul(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up: the Triton kernel on CUDA, torch elsewhere."""
-    return silu_and_mul_triton(gate, up) if _use_triton(gate) else silu_and_mul_ref(gate, up)
+    return silu_and_mul_triton(gate, up) if use_triton(gate) else silu_and_mul_ref(gate, up)

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pdserve.kernels.fused_ops import MAX_ROW, _check_rows, _jit, _use_triton
+from pdserve.kernels.fused_ops import MAX_ROW
+from pdserve.kernels.triton_utils import check_rows, jit, use_triton
 
 try:
     import triton
@@ -26,7 +27,7 @@ except ImportError:  # pragma: no cover - CPU installs without the `gpu` extra
     triton = None  # type: ignore[assignment]
 
 
-@_jit
+@jit
 def _layer_norm_kernel(
     x_ptr,  # [num_tokens, hidden]
     residual_ptr,  # [num_tokens, hidden], read when HAS_RESIDUAL
@@ -77,15 +78,15 @@ def layer_norm_triton(
     """LayerNorm(x) in one pass; with residual, (LayerNorm(x + residual), x + residual) in one pass."""
     assert x.dim() == 2, f"x must be [num_tokens, hidden], got {tuple(x.shape)}"
     num_tokens, hidden = x.shape
-    _check_rows("x", x, x.shape, x.dtype)
-    _check_rows("weight", weight, torch.Size([hidden]), x.dtype)
-    _check_rows("bias", bias, torch.Size([hidden]), x.dtype)
+    check_rows("x", x, x.shape, x.dtype)
+    check_rows("weight", weight, torch.Size([hidden]), x.dtype)
+    check_rows("bias", bias, torch.Size([hidden]), x.dtype)
     block = triton.next_power_of_2(hidden)
     assert block <= MAX_ROW, f"hidden {hidden} exceeds the widest row {MAX_ROW}"
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     residual_out = out
     if residual is not None:
-        _check_rows("residual", residual, x.shape, x.dtype)
+        check_rows("residual", residual, x.shape, x.dtype)
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_tokens > 0:
         res = x if residual is None else residual  # NOTE: unread without a residual
@@ -121,6 +122,6 @@ def layer_norm(
     x: Tensor, weight: Tensor, bias: Tensor, eps: float, residual: Tensor | None = None
 ) -> Tensor | tuple[Tensor, Tensor]:
     """LayerNorm of x [num_tokens, hidden] (after adding residual, returned too): Triton on CUDA, torch elsewhere."""
-    if _use_triton(x):
+    if use_triton(x):
         return layer_norm_triton(x, weight, bias, eps, residual)
     return layer_norm_ref(x, weight, bias, eps, residual)

@@ -28,7 +28,6 @@ rows past it would stay unwritten.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -38,6 +37,7 @@ import triton.language as tl
 from pdserve.kernels.prefill_splits import PrefillWorkspace, cached_prefix_len, merge_splits, split_range, store_partial
 from pdserve.kernels.prefill_tiles import attend_new, attend_prefix, load_q, new_token_inputs
 from pdserve.kernels.split_policy import MIN_SPLIT_TILES
+from pdserve.kernels.triton_utils import set_triton_allocator
 
 LOG2E = 1.4426950408889634
 MIN_HEAD_DIM = 16
@@ -212,17 +212,6 @@ def tma_supported(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in tensors)
 
 
-@functools.cache
-def _set_triton_allocator() -> None:
-    """Device-made TMA descriptors live in per-launch scratch that Triton asks this allocator for (from torch's
-    caching allocator, on the current stream: graph captures keep theirs in the graph's pool)."""
-
-    def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.int8, device="cuda")
-
-    triton.set_allocator(alloc)
-
-
 def launch_prefill_kernel(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_new: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -252,7 +241,7 @@ def launch_prefill_kernel(
     assert num_splits <= workspace.partial_out.shape[0], f"num_splits {num_splits} > the workspace's"
     part_out, part_lse = workspace
     if tma:
-        _set_triton_allocator()
+        set_triton_allocator()
     _prefill_kernel[grid[0], grid[1], batch * num_splits](
         q, k_new, v_new, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, part_out, part_lse,
         scale * LOG2E, num_heads // num_kv_heads, max_blocks, q.shape[0], num_heads, num_splits,

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from pdserve.kernels.fused_ops import _jit
+from pdserve.kernels.triton_utils import jit
 
 try:
     import triton.language as tl
@@ -52,7 +52,7 @@ def rope_ref_one(
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-@_jit
+@jit
 def load_rotated(
     row_ptrs,  # [ROWS] pointers to element 0 of each row (a head of a token)
     row_mask,  # [ROWS] rows to load; the others come back zero

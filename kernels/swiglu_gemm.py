@@ -13,7 +13,7 @@ SiLU in fp32 rounded once, the product rounded; only the GEMM's summation order 
 fp32 ulps before rounding).
 
 NOTE: 16-bit types on Hopper-class GPUs only (TMA descriptors made on the device: scratch from torch's caching
-allocator, kernels.prefill_attention._set_triton_allocator); the grid depends on the token count only, so a CUDA
+allocator, kernels.triton_utils.set_triton_allocator); the grid depends on the token count only, so a CUDA
 graph captures it like any launch. A 4000-token prefill of the 1B Llama shape (docs/benchmarks.md): first token
 15.03 ms against 15.52 ms with cuBLAS + the SiLU kernel on an H100, outputs bit-equal in the benchmarks.
 """
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from pdserve.kernels.triton_utils import device_num_sms, set_triton_allocator
 
 try:
     import triton
@@ -119,9 +121,6 @@ def swiglu_gemm(
     out: Tensor | None = None,  # [num_tokens, I]
 ) -> Tensor:  # [num_tokens, I], x's dtype
     """silu(x @ gate^T) * (x @ up^T) for an interleaved gate/up weight (fused_swiglu_supported must hold)."""
-    from pdserve.kernels.decode_attention import device_num_sms
-    from pdserve.kernels.prefill_attention import _set_triton_allocator
-
     num_tokens, k = x.shape
     two_i = weight.shape[0]
     assert weight.shape == (two_i, k) and weight.dtype == x.dtype and weight.is_contiguous()
@@ -130,7 +129,7 @@ def swiglu_gemm(
     assert out.shape == (num_tokens, two_i // 2) and out.is_contiguous() and out.dtype == x.dtype
     if num_tokens == 0:
         return out
-    _set_triton_allocator()
+    set_triton_allocator()
     bn = 2 * SWIGLU_BLOCK
     tiles = triton.cdiv(num_tokens, _BM) * (two_i // bn)
     num_sms = device_num_sms(x.device)

@@ -24,10 +24,10 @@ from pdserve.kernels.decode_attention import (
     DecodeWorkspace,
     choose_decode_config,
     choose_num_splits,
-    device_num_sms,
     paged_decode_attention,
 )
 from pdserve.kernels.prefill_attention import paged_prefill_attention
+from pdserve.kernels.triton_utils import device_num_sms
 
 BLOCK_SIZE = 16
 # name: (batch, heads, kv_heads, head_dim, context)

@@ -27,10 +27,12 @@ ENTRY_MODULES = (
     "pdserve.kvtransfer.base",
     "pdserve.kvtransfer.cuda_ipc",
     "pdserve.kvtransfer.dist",
+    "pdserve.kvtransfer.factory",
     "pdserve.kvtransfer.layout",
     "pdserve.kvtransfer.lease",
     "pdserve.kvtransfer.pool",
     "pdserve.kvtransfer.shm",
+    "pdserve.kernels.triton_utils",
 )
 TRITON_MODULES = (
     "pdserve.kernels.block_copy",
