@@ -89,20 +89,24 @@ def unpack_token_ids(raw: object) -> np.ndarray | None:  # [num_tokens] int32, r
 
 
 @dataclass(frozen=True)
-class Sampling:
-    """SamplingParams plus progress, as plain values (see core.sampling_params / core.sampler)."""
+class Sampling(SamplingParams):
+    """The wire form of a request's sampling: every SamplingParams field, plus its progress."""
 
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
     num_generated: int = 0
-    logprobs: bool = False
-    top_logprobs: int = 0
+    """New tokens the request already has (a handed-off request's first token, a resumed request's output)."""
+
+    @classmethod
+    def of(cls, params: SamplingParams, num_generated: int = 0) -> Sampling:
+        return cls(**_params_fields(params), num_generated=num_generated)
+
+    @property
+    def params(self) -> SamplingParams:
+        """The engine's SamplingParams (progress dropped)."""
+        return SamplingParams(**_params_fields(self))
+
+
+def _params_fields(params: SamplingParams) -> dict[str, Any]:
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(SamplingParams)}
 
 
 @dataclass(frozen=True)
@@ -572,35 +576,3 @@ def _check_kv(msg: KvEventBatchEvent | KvSnapshotEvent) -> None:
         hashes = msg.hashes
     if not (isinstance(hashes, list) and all(map(_is_uint64, hashes))):
         raise MessageError(f"{type(msg).__name__}: block hashes must be unsigned 64-bit ints")
-
-
-def sampling_to_params(s: Sampling) -> SamplingParams:
-    """The engine's SamplingParams from the wire form (progress dropped)."""
-    return SamplingParams(
-        temperature=s.temperature,
-        top_k=s.top_k,
-        top_p=s.top_p,
-        seed=s.seed,
-        max_tokens=s.max_tokens,
-        min_tokens=s.min_tokens,
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        logprobs=s.logprobs,
-        top_logprobs=s.top_logprobs,
-    )
-
-
-def params_to_sampling(p: SamplingParams, num_generated: int = 0) -> Sampling:
-    return Sampling(
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        seed=p.seed,
-        max_tokens=p.max_tokens,
-        min_tokens=p.min_tokens,
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        num_generated=num_generated,
-        logprobs=p.logprobs,
-        top_logprobs=p.top_logprobs,
-    )

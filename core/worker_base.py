@@ -31,7 +31,6 @@ from pdserve.core.messages import (
     RequestErrorEvent,
     Sampling,
     Timings,
-    sampling_to_params,
     unpack_token_ids,
 )
 from pdserve.core.metrics import WorkerMetrics
@@ -148,7 +147,7 @@ class WorkerBase:
             return False
         self.frontends.mark_alive(cmd.frontend)
         try:
-            params = sampling_to_params(cmd.sampling)
+            params = cmd.sampling.params
             token_ids = unpack_token_ids(cmd.token_ids)
             assert token_ids is not None  # NOTE: bad_fields checked it
             self.engine.add_request(cmd.request_id, token_ids, params, cmd.sampling.num_generated)

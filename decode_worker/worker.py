@@ -43,7 +43,6 @@ from pdserve.core.messages import (
     Sampling,
     Timings,
     TokenEvent,
-    sampling_to_params,
     unpack_block_hashes,
     unpack_token_ids,
 )
@@ -281,7 +280,7 @@ class DecodeWorker(WorkerBase):
         """Pull the blocks of cmd we do not hold into our pool and start decoding it; False if there is no
         room yet."""
         s = cmd.sampling
-        state = SamplingState(sampling_to_params(s), self.cfg.model.eos_token_ids, s.num_generated)
+        state = SamplingState(s.params, self.cfg.model.eos_token_ids, s.num_generated)
         token_ids, hashes = unpack_token_ids(cmd.token_ids), unpack_block_hashes(cmd.block_hashes)
         assert token_ids is not None and hashes is not None  # NOTE: _bad_handoff checked them
         try:

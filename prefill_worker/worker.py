@@ -25,12 +25,12 @@ from pdserve.core.messages import (
     MessageError,
     ReleaseCmd,
     RequestErrorEvent,
+    Sampling,
     Timings,
     TokenEvent,
     decode,
     pack_block_hashes,
     pack_token_ids,
-    params_to_sampling,
 )
 from pdserve.core.rank_group import RankGroup
 from pdserve.core.worker_base import WorkerBase
@@ -271,7 +271,7 @@ class PrefillWorker(WorkerBase):
             token_ids=pack_token_ids(req.id_array()),
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
-            sampling=params_to_sampling(req.sampling.params, req.sampling.num_generated),
+            sampling=Sampling.of(req.sampling.params, req.sampling.num_generated),
             timings=timings,
             block_hashes=pack_block_hashes(self.engine.computed_block_hashes(req)),
             frontend=cmd.frontend,

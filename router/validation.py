@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pdserve.core.errors import InvalidRequestError
-from pdserve.core.messages import Sampling, params_to_sampling
+from pdserve.core.messages import Sampling
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.router.limits import LIMITS, RequestLimits
@@ -61,7 +61,7 @@ class RequestValidator:
         stop = tuple(request.sampling.stop)
         if any(not s for s in stop):
             raise ValidationError("stop strings must be non-empty")
-        return ValidRequest(token_ids, params_to_sampling(params), stop)
+        return ValidRequest(token_ids, Sampling.of(params), stop)
 
     def prompt_ids(self, request: pb.GenerateRequest) -> np.ndarray:  # [num_tokens] int64
         # NOTE: the upb container converts to an array in ~4 us per 1000 ids on the CPU VM (a list: 24 us, and a

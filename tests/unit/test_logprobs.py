@@ -20,8 +20,6 @@ from pdserve.core.messages import (
     TokenEvent,
     decode,
     encode,
-    params_to_sampling,
-    sampling_to_params,
 )
 from pdserve.core.sampler import HostLogprobs, Sampler, SamplingState, token_logprobs
 from pdserve.core.sampling_params import SamplingParams
@@ -144,9 +142,9 @@ def test_bad_logprobs_params_are_refused(kw: dict[str, object], message: str) ->
 
 def test_logprobs_params_travel_in_sampling() -> None:
     params = SamplingParams(logprobs=True, top_logprobs=7)
-    sampling = params_to_sampling(params, 3)
-    assert (sampling.logprobs, sampling.top_logprobs) == (True, 7)
-    assert sampling_to_params(sampling) == params
+    sampling = Sampling.of(params, 3)
+    assert (sampling.logprobs, sampling.top_logprobs, sampling.num_generated) == (True, 7, 3)
+    assert sampling.params == params and type(sampling.params) is SamplingParams
 
 
 def test_token_logprobs_round_trip_in_a_token_batch() -> None:
