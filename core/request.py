@@ -82,11 +82,3 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def prompt_done(self) -> bool:
-        return self.num_computed_tokens >= self.num_prompt_tokens

@@ -66,11 +66,6 @@ CLOSE_SEND_WAIT_MS = 20
 """How long a release at shutdown waits for its prefill worker's connection (a dead one costs this much)."""
 
 
-class _Peer(NamedTuple):
-    pool_id: str
-    release: zmq.Socket
-
-
 class GroupPullHandle:
     """A pull on every rank of our TP group: done once our copy and every other rank's have finished."""
 
