@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.core.busy_poll import CUDA_BUSY_POLL_S
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model folder (config.json + safetensors)")
@@ -22,7 +24,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk-size", type=int, default=None)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode passes")
+    parser.add_argument("--enforce-eager", action="store_true", help="run every pass eagerly: no CUDA graphs at all")
     parser.add_argument(
         "--tp-size",
         type=int,
@@ -62,7 +64,8 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
         "--busy-poll-ms",
         type=float,
         default=None,
-        help="after work, poll without sleeping this long before blocking (default: 1000 on CUDA, 0 on CPU)",
+        help="after work, poll without sleeping this long before blocking (default: "
+        f"{CUDA_BUSY_POLL_S * 1e3:g} on CUDA, 0 on CPU)",
     )
     parser.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS, help="WARNING drops the per-request lines"

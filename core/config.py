@@ -198,8 +198,8 @@ class EngineConfig:
     """auto: the Triton kernels on CUDA, the torch reference elsewhere."""
     enforce_eager: bool = False
     """Run every pass eagerly; otherwise (CUDA, Triton backend) decode passes and prefill passes of up to
-    max_num_batched_tokens (at most 4096) tokens replay captured CUDA graphs (core/cuda_graphs.py,
-    core/prefill_graphs.py)."""
+    max_num_batched_tokens tokens (and the largest of core.prefill_graphs.PREFILL_GRAPH_TOKENS) replay captured
+    CUDA graphs (core/cuda_graphs.py, core/prefill_graphs.py)."""
     capture_decode: bool = True
     """Capture decode graphs (a prefill worker, which hands requests off after their first token, needs none)."""
     parallel: ParallelConfig = ParallelConfig()

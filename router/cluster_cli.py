@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import NamedTuple
 
-from pdserve.core.busy_poll import busy_poll_seconds
+from pdserve.core.busy_poll import CUDA_BUSY_POLL_S, busy_poll_seconds
 from pdserve.core.curve import KEYS_FILE, ClusterKeys
 from pdserve.core.ipc import TOPOLOGY_FILE
 from pdserve.router.cli import LOG_LEVELS, MAX_FRONTENDS
@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--busy-poll-ms",
         type=float,
         default=None,
-        help="every process: after work, poll without sleeping this long (default: 1000 on CUDA, 0 on CPU)",
+        help=f"every process: after work, poll without sleeping this long (default: {CUDA_BUSY_POLL_S * 1e3:g} on "
+        "CUDA, 0 on CPU)",
     )
     p.add_argument(
         "--cpu-threads",
