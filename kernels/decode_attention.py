@@ -77,12 +77,11 @@ class DecodeTileConfig(NamedTuple):
 
 
 def choose_decode_config(head_dim: int, group: int) -> DecodeTileConfig:
-    """The fastest tiles of a sweep on an H200 (scripts/tune_decode_attention.py, bench/results/).
+    """The fastest tiles of a sweep (scripts/tune_decode_attention.py).
 
     With one or two query heads per KV head the [16, head_dim] query tile is mostly padding and a program
-    does little work: one warp and 32-token tiles keep more programs resident (GPT-2 shape, 128 sequences
-    of 130 tokens: 16 us vs 24 us with 64 x 4 warps). Wider GQA groups take 128-token tiles (Llama-1B shape,
-    64 x 1000 tokens: 37 vs 43 us; Llama-8B shape, 32 x 4000 tokens: 130 vs 166 us).
+    does little work: one warp and 32-token tiles keep more programs resident. Wider GQA groups take 128-token
+    tiles.
     """
     if group <= 2:
         return DecodeTileConfig(32, 1)

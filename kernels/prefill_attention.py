@@ -60,8 +60,8 @@ def choose_tile_config(head_dim: int, dtype: torch.dtype, max_query_len: int) ->
 
     fp32 runs its dots on IEEE FMAs (no tensor cores), so it takes smaller tiles; 16-bit types take the
     shapes that timed fastest for 4000-token prefills at head_dim 64 and 128, bounded so K/V stages fit
-    shared memory. NOTE: tiles that won a standalone sweep (scripts/tune_prefill_attention.py, warm L2) lost
-    inside the model on an H200: 64x128 TMA tiles ran 190 us per layer there against 171 us for these.
+    shared memory. They are timed inside the model: tiles that win a standalone sweep
+    (scripts/tune_prefill_attention.py, warm L2) can lose there.
     """
     if dtype == torch.float32:
         cfg = PrefillTileConfig(64, 32, 4, 2) if head_dim <= 128 else PrefillTileConfig(32, 32, 4, 1)

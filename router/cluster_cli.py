@@ -257,9 +257,8 @@ def cpu_threads(args: argparse.Namespace) -> int:
     """--cpu-threads of each worker process: as given, else the cores this process may use over the TP ranks of
     the workers it starts (each rank is a process of its own; a TP-2 worker counts 2).
 
-    NOTE: each worker's torch would otherwise start a thread per core; on a CPU cluster N workers then run
-    N x cores spinning threads on the cores, and every step waits on descheduled ones (2+2 workers on 2 cores:
-    64 SmolLM2 streams ran 2.2x fewer tokens and timed out).
+    Each worker's torch would otherwise start a thread per core; on a CPU cluster N workers then run N x cores
+    spinning threads on the cores, and every step waits on descheduled ones.
     """
     if args.cpu_threads is not None:
         return int(args.cpu_threads)
