@@ -1,6 +1,6 @@
 """The worker processes' command line (`python -m pdserve.prefill_worker` / `decode_worker`): flags and checks.
 
-NOTE: no torch here (core/worker_main.py maps the flags onto EngineConfig): the cluster launcher, in the
+No torch here (core/worker_main.py maps the flags onto EngineConfig): the cluster launcher, in the
 torch-free router package, builds each worker's argv against this parser.
 """
 
@@ -32,7 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="tensor-parallel processes of this worker (rank 0 starts the others); with --device cuda[:K] rank r "
         "runs on cuda:K+r",
     )
-    parser.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # NOTE: set by rank 0 only
+    parser.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set by rank 0 only
     parser.add_argument("--tp-group", default=None, help=argparse.SUPPRESS)  # rank 0's group files (rank_group.py)
 
 
@@ -44,7 +44,7 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", required=True, help="folder of the cluster's ipc sockets")
     parser.add_argument("--num-prefill", type=int, default=1)
     parser.add_argument("--num-decode", type=int, default=1)
-    # NOTE: internal (pdserve-cluster --frontends): the router processes to send requests' events to
+    # internal (pdserve-cluster --frontends): the router processes to send requests' events to
     parser.add_argument("--num-frontends", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument(
         "--transport",

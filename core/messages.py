@@ -5,7 +5,7 @@ Wire format of every message: one ZMQ frame holding msgpack [PROTOCOL_VERSION, t
 version, the tag, the field names and a size limit, and raises MessageError for anything else, so a
 worker can log and drop a hostile frame and keep serving.
 
-NOTE: this module must not import torch: the router imports it.
+This module must not import torch: the router imports it.
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ KV_STORED = 1
 class KvEventBatchEvent:
     """Worker -> router (PUB, may be lost): the prefix-cache changes of one loop iteration of one worker.
 
-    NOTE: seq is 1 for an incarnation's first batch and grows by 1 per batch; by 2 when the pool dropped
+    `seq` is 1 for an incarnation's first batch and grows by 1 per batch; by 2 when the pool dropped
     events, so that a missing seq always means the router's copy is stale and must be resynced.
     """
 
@@ -312,7 +312,7 @@ class KvSnapshotEvent:
     seq: int
     block_size: int
     hashes: list[int]
-    """Every hash cached; NOTE: ~9 bytes each on the wire, so MAX_MESSAGE_BYTES holds ~7M blocks."""
+    """Every hash cached; ~9 bytes each on the wire, so MAX_MESSAGE_BYTES holds ~7M blocks."""
 
 
 @dataclass(frozen=True)
@@ -456,10 +456,9 @@ def encode(msg: Message) -> bytes:
 
 
 def _plain(value: Any) -> Any:
-    """Dataclasses (nested too, and lists of them) as dicts; everything else as it is. NOTE: not
-    dataclasses.asdict, which deep-copies every list element by element: 0.43 ms for a GenerateCmd of 400
-    tokens, milliseconds for a long prompt's HandoffCmd, 0.3 s for a KV snapshot; lists of ints go to msgpack
-    as they are."""
+    """Dataclasses (nested too, and lists of them) as dicts; everything else as it is. Not
+    dataclasses.asdict, which deep-copies every list element by element; lists of ints go to msgpack as they
+    are."""
     names = _DATACLASS_FIELDS.get(type(value))
     if names is not None:
         return {name: _plain(getattr(value, name)) for name in names}

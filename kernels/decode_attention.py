@@ -13,7 +13,7 @@ Softmax is online, in fp32, in the log2 domain.
 With one split stage 1 writes the output; otherwise it writes a normalised partial output and its
 log-sum-exp to a workspace and stage 2 merges the splits.
 
-NOTE: the launch reads no device value on the host and, given `out` and `workspace`, allocates nothing,
+The launch reads no device value on the host and, given `out` and `workspace`, allocates nothing,
 so a CUDA graph can capture it. Each sequence's length is read inside the kernel.
 """
 
@@ -135,7 +135,7 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_splits", "max_blocks", "stride_bt"])  # NOTE: per pass, see jit_watch
+@triton.jit(do_not_specialize=["num_splits", "max_blocks", "stride_bt"])  # per pass, see jit_watch
 def _decode_stage1(
     q_ptr,  # [batch, num_heads, head_dim]
     k_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -180,7 +180,7 @@ def _decode_stage1(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # NOTE: a length beyond the block table (or below 0) is clamped, so no read leaves the table.
+    # a length beyond the block table (or below 0) is clamped, so no read leaves the table.
     seq_len = tl.load(seq_lens_ptr + seq)
     seq_len = tl.minimum(tl.maximum(seq_len, 0), max_blocks * BLOCK_SIZE)
     num_tiles = tl.cdiv(seq_len, TILE_N)
@@ -275,7 +275,7 @@ def _decode_stage2(
     s_mask = offs_s < num_splits
     lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, axis=0)
-    # NOTE: all splits empty (seq_len 0) gives lse_max = -inf; shifting by 0 keeps every weight exactly 0
+    # all splits empty (seq_len 0) gives lse_max = -inf; shifting by 0 keeps every weight exactly 0
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weight = tl.exp2(lse - lse_max)  # [SPLITS_PAD]
     part = tl.load(

@@ -11,7 +11,7 @@ multiply). What differs is the order of the RMSNorm reduction and the rsqrt/exp 
 at most about one ulp of bf16/fp16 after rounding. Rope is applied inside the attention backend's kernels
 (kernels/rope_tiles.py).
 
-NOTE: triton is optional (the `gpu` extra). Without it this module still imports and every op runs its torch
+triton is optional (the `gpu` extra). Without it this module still imports and every op runs its torch
 reference; the kernels are only compiled on first launch.
 """
 

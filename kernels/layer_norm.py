@@ -89,7 +89,7 @@ def layer_norm_triton(
         check_rows("residual", residual, x.shape, x.dtype)
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_tokens > 0:
-        res = x if residual is None else residual  # NOTE: unread without a residual
+        res = x if residual is None else residual  # unread without a residual
         _layer_norm_kernel[(num_tokens,)](
             x, res, weight, bias, out, residual_out, hidden, eps,
             x.stride(0), res.stride(0), out.stride(0), residual_out.stride(0),

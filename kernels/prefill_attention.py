@@ -19,7 +19,7 @@ G query heads of one KV head run side by side and share K/V through L2; query ti
 so the longest (most keys) programs start first. A pass of few tokens splits long cached prefixes across
 programs (split-KV, kernels/prefill_splits.py).
 
-NOTE: the launch reads no device value on the host (max_query_len is a host int that sizes the grid;
+The launch reads no device value on the host (max_query_len is a host int that sizes the grid;
 query lengths and seq_lens are read inside the kernel) and, given `out` and `workspace`, allocates only the
 TMA descriptors' scratch (from torch's caching allocator through triton.set_allocator; a capture keeps it in
 the graph's pool), so a CUDA graph can capture it. A graph replays the grid of its captured max_query_len:
@@ -234,7 +234,7 @@ def launch_prefill_kernel(
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (num_heads, triton.cdiv(max_query_len, cfg.block_m), batch)
-    if workspace is None:  # NOTE: fp32 partials even where unread, so split and unsplit passes share one variant
+    if workspace is None:  # fp32 partials even where unread, so split and unsplit passes share one variant
         assert num_splits == 1, "a split pass needs a workspace"
         workspace = PrefillWorkspace.allocate(1, num_heads, head_dim, q.device)
     assert num_splits == 1 or workspace.fits(q), "the workspace is too small for this pass"

@@ -5,7 +5,7 @@ the last query_len of its seq_len tokens) and the KV append rotates each new key
 arithmetic is transformers' (`x * cos + rotate_half(x) * sin` with the tables cast to x's dtype first): each
 product rounds to the dtype, then their sum does, so 16-bit results match torch's bit for bit.
 
-NOTE: triton is optional here (the reference runs without it). In fp32 the compiler may contract a product and
+triton is optional here (the reference runs without it). In fp32 the compiler may contract a product and
 the sum into one FMA where FP fusion is on (the attention kernels; the KV append turns it off, so the cache holds
 exactly torch's K): one rounding fewer than torch, an ulp that the attention's own summation order dwarfs.
 """

@@ -97,7 +97,7 @@ if triton is not None:
         num_tiles = num_pid_m * tl.cdiv(N, BN)
         num_pid_in_group = GROUP_M * tl.cdiv(N, BN)
         k_tiles = tl.cdiv(K, BK)
-        tile_out = tl.program_id(0) - NUM_SMS  # NOTE: the epilogue's own tile counter keeps the K loop's
+        tile_out = tl.program_id(0) - NUM_SMS  # the epilogue's own tile counter keeps the K loop's
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_SMS):  # software pipelining across tiles intact
             pm, pn = _tile(tile, num_pid_in_group, num_pid_m, GROUP_M)
             acc = tl.zeros((BM, BN), dtype=tl.float32)  # [BM, gate block | up block]

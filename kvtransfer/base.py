@@ -15,9 +15,9 @@ protocol between the two workers:
 3. per handed-off request: `handle = sink.pull(prefill_worker, src_block_ids, dst_block_ids)`, one copy per
    segment; the request may be scheduled at once; `ReleaseCmd` once `handle.done()` is True, never before.
 
-NOTE: a source announces blocks (HandoffCmd) only after the writes into them have finished; the prefill
+A source announces blocks (HandoffCmd) only after the writes into them have finished; the prefill
 worker guarantees it by reading the sampled first token on the host, which waits for the forward pass.
-NOTE: when the pulled bytes are usable. `pull` enqueues the copies and returns a PullHandle without blocking
+When the pulled bytes are usable: `pull` enqueues the copies and returns a PullHandle without blocking
 the host on the GPU:
 - shm: the copy is synchronous; the bytes are in the local pool when pull returns and done() is True.
 - cuda_ipc: the copies run on the sink's own stream, after the work already queued on the caller's current
@@ -26,7 +26,7 @@ the host on the GPU:
   graph replays, which run on it) sees the bytes, so the engine may schedule the request at once. Work on
   other streams and host reads of the local pool must first see done() True (or call wait()). Later pulls
   run on the same sink stream, so the destination blocks of an aborted request may be reused at once.
-NOTE: the source blocks are read until done() is True. The lease may be released (ReleaseCmd) only then:
+The source blocks are read until done() is True. The lease may be released (ReleaseCmd) only then:
 after the release the prefill worker may overwrite or reallocate them. Until then the handle keeps alive
 what the copy reads (id tensors, pinned host buffers, the remote pools' mappings).
 """
@@ -158,7 +158,7 @@ def _owner(head: int, preferred: int, ranges: list[tuple[int, int]]) -> int:
 class PullHandle:
     """The completion of one pull: done() once the copy has finished (at once for a synchronous copy).
 
-    Until then it holds what the copy reads (NOTE: freeing a pinned id buffer or unmapping the remote pool
+    Until then it holds what the copy reads (freeing a pinned id buffer or unmapping the remote pool
     under a queued copy would corrupt it); both are dropped once the copy is seen done.
     """
 
@@ -255,7 +255,7 @@ class KVTransferSink(ABC):
     def pull(self, prefill_worker: int, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
         """Copy blocks src_block_ids of prefill_worker's pools into dst_block_ids of the local pool: K and V of
         every layer, this rank's KV heads, one copy per head segment. Returns once the copies are enqueued and
-        ordered before later work on the caller's current stream (see the module's NOTE); the lease may be
+        ordered before later work on the caller's current stream (see the module's docstring); the lease may be
         released once the handle is done(). KVTransferError when prefill_worker is not open or the ids are out
         of range, of different lengths, or repeat a destination (nothing is copied then)."""
         remote = self._remotes.get(prefill_worker)
@@ -287,7 +287,7 @@ class KVTransferSink(ABC):
         except ValueError as exc:
             raise KVTransferError(f"bad descriptor: {exc}") from None
         heads = kv_head_ranges(remote_fp)[rank]
-        if layout.heads != heads:  # NOTE: both sides split heads with core.parallel.kv_head_range
+        if layout.heads != heads:  # both sides split heads with core.parallel.kv_head_range
             raise KVTransferError(f"remote rank {rank} holds KV heads {heads}, TP rank {rank} here {layout.heads}")
         shape = tuple(descriptor_field(entry, "shape", list))
         if shape != layout.shape:

@@ -36,7 +36,7 @@ class PrefillRank(RankFollower):
         pairs = pair_kinds(args.transport, args.run_dir, args.worker_id, args.num_decode, self.device)
         self.kinds = source_kinds(args.transport, pairs)
         self.kv_pool: KVPool | None = None
-        # NOTE: the same config as rank 0's engine (prefill_worker/worker.py): the same graphs, the same collectives
+        # the same config as rank 0's engine (prefill_worker/worker.py): the same graphs, the same collectives
         self.runner = ModelRunner(dataclasses.replace(cfg, capture_decode=False), kv_allocator=self._allocate_pool)
         if self.device.type == "cuda":
             self.runner.warmup()

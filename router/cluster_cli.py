@@ -42,7 +42,7 @@ class ClusterPlan(NamedTuple):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # NOTE: no abbreviations: "--max-q" must not become a launcher flag instead of reaching the router
+    # no abbreviations: "--max-q" must not become a launcher flag instead of reaching the router
     p = argparse.ArgumentParser(
         prog="pdserve-cluster",
         description="Run a pdserve cluster under supervision.",
@@ -172,7 +172,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     wanted = {r.strip() for r in args.roles.split(",") if r.strip()} if args.roles else names
     if unknown := wanted - names - {"router"}:
         p.error(f"--roles: unknown roles {sorted(unknown)}")
-    args.wanted = (wanted - {"router"}) | set(routers) if "router" in wanted else wanted  # NOTE: router: every one
+    args.wanted = (wanted - {"router"}) | set(routers) if "router" in wanted else wanted  # router: every one
 
 
 def router_names(num_frontends: int) -> list[str]:
@@ -285,7 +285,7 @@ def cluster_keys(args: argparse.Namespace) -> ClusterKeys | None:
             ClusterKeys.make().write(path)
             print(f"pdserve-cluster: made the cluster's CURVE keys {path}: copy it to every host", file=sys.stderr)
         except FileExistsError:
-            pass  # NOTE: another launcher made it meanwhile
+            pass  # another launcher made it meanwhile
     if not path.exists():
         raise ValueError(f"--cluster-keys {path}: no such file; copy it from the router's host (its launcher makes "
                          "it), keeping mode 0600")  # fmt: skip
@@ -320,13 +320,13 @@ def main(argv: list[str] | None = None) -> int:
             run_dir.rmdir()
         parser.error(str(exc))
     make_run_dir(run_dir)
-    remove_tables(run_dir)  # NOTE: a reused run dir's load counts are of front ends that are gone
-    if args.topology_hosts is not None:  # NOTE: every process reads both from its run dir (core/ipc.py)
+    remove_tables(run_dir)  # a reused run dir's load counts are of front ends that are gone
+    if args.topology_hosts is not None:  # every process reads both from its run dir (core/ipc.py)
         (run_dir / TOPOLOGY_FILE).write_text(json.dumps(asdict(args.topology_hosts)))
         (run_dir / KEYS_FILE).unlink(missing_ok=True)
         assert keys is not None
         keys.write(run_dir / KEYS_FILE)
-    # NOTE: the children run the installed pdserve (python -m pdserve.*): no PYTHONPATH of ours
+    # the children run the installed pdserve (python -m pdserve.*): no PYTHONPATH of ours
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     supervisor = Supervisor(plan.children, run_dir, env, plan.grace, _mps(args, run_dir), args.gpus)
     return supervisor.run(f"{args.bind}:{args.port}")

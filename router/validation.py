@@ -1,6 +1,6 @@
 """GenerateRequest -> prompt token ids + core.messages.Sampling, or ValidationError (gRPC INVALID_ARGUMENT).
 
-NOTE: the sampling rules are the engine's own (core.sampling_params.SamplingParams.validate), so a request
+The sampling rules are the engine's own (core.sampling_params.SamplingParams.validate), so a request
 that passes here is never refused by a worker; the prompt rules mirror core.engine's add_request. Sizes are
 checked first (router/limits.py), before anything is converted or tokenized.
 """
@@ -71,7 +71,7 @@ class RequestValidator:
     def _prompt(self, request: pb.GenerateRequest) -> Sequence[int]:
         kind = request.WhichOneof("input")
         if kind == "token_ids":
-            self.check_length(len(request.token_ids.ids))  # NOTE: before a long list becomes an array
+            self.check_length(len(request.token_ids.ids))  # before a long list becomes an array
             return request.token_ids.ids
         if kind == "text":
             return self.tokenizer.encode(request.text) if request.text else []
