@@ -40,7 +40,8 @@ from pdserve.core.cuda_graphs import capture
 from pdserve.core.engine import Engine
 from pdserve.core.parallel import GROUP_TIMEOUT, AllReduceKind, ParallelConfig
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.kvtransfer.base import make_sink, make_source, merge_descriptors
+from pdserve.kvtransfer.base import merge_descriptors
+from pdserve.kvtransfer.factory import make_sink, make_source
 from pdserve.kvtransfer.layout import KVLayout
 from pdserve.kvtransfer.pool import KVPool, allocate_kv_pool
 
