@@ -25,7 +25,15 @@ from pdserve.core.ipc import TOPOLOGY_FILE
 from pdserve.router.cli import LOG_LEVELS, MAX_FRONTENDS
 from pdserve.router.cluster_flags import CHILD_CLIS, ROUTER, WORKER, ArgvError, ChildCli, split_flags
 from pdserve.router.load_table import remove_tables
-from pdserve.router.placement import Mps, gpu_lists, placement, read_topology, roles_share_a_gpu
+from pdserve.router.placement import (
+    Mps,
+    alone_on_their_gpus,
+    compute_gpus,
+    gpu_lists,
+    placement,
+    read_topology,
+    roles_share_a_gpu,
+)
 from pdserve.router.status import RUN_DIR_PREFIX
 from pdserve.router.supervisor import Child, Supervisor
 
@@ -163,7 +171,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         args.topology_hosts = read_topology(Path(args.topology), args.prefill, args.decode) if args.topology else None
         args.prefill_tp, args.decode_tp = _tp_sizes(args)
         prefill_gpus, decode_gpus = gpu_lists(args.prefill_gpus), gpu_lists(args.decode_gpus)
-        args.gpus = placement(prefill_gpus, decode_gpus, args.prefill, args.decode, args.prefill_tp, args.decode_tp)
+        layout = (prefill_gpus, decode_gpus, args.prefill, args.decode, args.prefill_tp, args.decode_tp)
+        args.gpus = placement(*layout)
+        args.whole_gpu = frozenset(alone_on_their_gpus(compute_gpus(*layout)))
         args.mps_shares = _mps_shares(args.mps_split)
     except ValueError as exc:
         p.error(str(exc))
@@ -305,7 +315,8 @@ def _mps(args: argparse.Namespace, run_dir: Path) -> Mps | None:
     """MPS when asked for, or (auto) when CUDA workers of both roles may share a GPU."""
     shared = roles_share_a_gpu(gpu_lists(args.prefill_gpus), gpu_lists(args.decode_gpus))
     auto = args.mps == "auto" and args.device.startswith("cuda") and shared
-    return Mps(run_dir, args.mps_shares) if not args.colocated and (args.mps == "on" or auto) else None
+    wanted = not args.colocated and (args.mps == "on" or auto)
+    return Mps(run_dir, args.mps_shares, args.whole_gpu) if wanted else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,11 +35,22 @@ def gpu_lists(spec: str | None) -> list[str] | None:
 def placement(prefill_gpus: list[str] | None, decode_gpus: list[str] | None, num_prefill: int, num_decode: int,
               prefill_tp: int = 1, decode_tp: int = 1) -> dict[str, str]:  # fmt: skip
     """CUDA_VISIBLE_DEVICES of each worker ({} without --prefill-gpus / --decode-gpus: every worker sees every
-    GPU and its ranks use cuda:0..N-1). One list serves both roles when the other is not given. A role's list is
-    cut into groups of its TP size, in order: prefill i gets group i % groups (rank r runs on cuda:r); decode j
-    gets its group and then every prefill GPU not in it, whose pools it maps by CUDA IPC and copies from (peer
-    copies; kvtransfer/cuda_ipc.py finds them by UUID). ValueError, naming the flags, for a list shorter than
-    its role's TP size."""
+    GPU and its ranks use cuda:0..N-1): its compute GPUs (compute_gpus), and for decode j then every prefill GPU
+    not among them, whose pools it maps by CUDA IPC and copies from (peer copies; kvtransfer/cuda_ipc.py finds
+    them by UUID). ValueError, naming the flags, for a list shorter than its role's TP size."""
+    compute = compute_gpus(prefill_gpus, decode_gpus, num_prefill, num_decode, prefill_tp, decode_tp)
+    mapped = (prefill_gpus or decode_gpus or []) if num_prefill else []  # colocated decode workers map no pool
+    return {
+        name: ",".join(dict.fromkeys([*gpus, *mapped]) if name.startswith("decode-") else gpus)
+        for name, gpus in compute.items()
+    }
+
+
+def compute_gpus(prefill_gpus: list[str] | None, decode_gpus: list[str] | None, num_prefill: int, num_decode: int,
+                 prefill_tp: int = 1, decode_tp: int = 1) -> dict[str, list[str]]:  # fmt: skip
+    """The GPUs each worker's ranks run on ({} when neither list is given). One list serves both roles when the
+    other is not given. A role's list is cut into groups of its TP size, in order: worker i of the role gets group
+    i % groups (rank r on the group's r-th GPU)."""
     if prefill_gpus is None and decode_gpus is None:
         return {}
     prefill_flag = "--prefill-gpus" if prefill_gpus else "--decode-gpus"
@@ -47,15 +58,23 @@ def placement(prefill_gpus: list[str] | None, decode_gpus: list[str] | None, num
     prefill_gpus = prefill_gpus or decode_gpus
     decode_gpus = decode_gpus or prefill_gpus
     assert prefill_gpus is not None and decode_gpus is not None
-    env: dict[str, str] = {}
+    out: dict[str, list[str]] = {}
     if num_prefill:
         groups = tp_groups(prefill_gpus, prefill_tp, prefill_flag, "--prefill-tp")
-        env |= {f"prefill-{i}": ",".join(groups[i % len(groups)]) for i in range(num_prefill)}
+        out |= {f"prefill-{i}": groups[i % len(groups)] for i in range(num_prefill)}
     groups = tp_groups(decode_gpus, decode_tp, decode_flag, "--decode-tp")
-    mapped = prefill_gpus if num_prefill else []  # NOTE: colocated decode workers map no prefill pool
-    for j in range(num_decode):
-        env[f"decode-{j}"] = ",".join(dict.fromkeys([*groups[j % len(groups)], *mapped]))
-    return env
+    return out | {f"decode-{j}": groups[j % len(groups)] for j in range(num_decode)}
+
+
+def alone_on_their_gpus(compute: dict[str, list[str]]) -> set[str]:
+    """Workers none of whose GPUs a worker of the other role runs on: under MPS they keep the whole GPU."""
+
+    def role_gpus(role: str) -> set[str]:
+        return {g for name, gpus in compute.items() if name.startswith(role) for g in gpus}
+
+    other = {"prefill-": role_gpus("decode-"), "decode-": role_gpus("prefill-")}
+    return {name for name, gpus in compute.items() for role, theirs in other.items()
+            if name.startswith(role) and not set(gpus) & theirs}  # fmt: skip
 
 
 def tp_groups(gpus: list[str], tp_size: int, gpus_flag: str, tp_flag: str) -> list[list[str]]:
@@ -79,7 +98,9 @@ class Mps:
     """An MPS control daemon private to this cluster (own pipe and log folders), so prefill and decode on
     one GPU each get a fixed share of its SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) instead of time slices."""
 
-    def __init__(self, run_dir: Path, split: tuple[int, int]) -> None:
+    def __init__(self, run_dir: Path, split: tuple[int, int], whole_gpu: frozenset[str] = frozenset()) -> None:
+        self.whole_gpu = whole_gpu
+        """Workers alone on their GPUs (alone_on_their_gpus): no SM share, the whole GPU."""
         self.env = {
             "CUDA_MPS_PIPE_DIRECTORY": str(run_dir / "mps" / "pipe"),
             "CUDA_MPS_LOG_DIRECTORY": str(run_dir / "mps" / "log"),
@@ -97,9 +118,12 @@ class Mps:
         print(f"pdserve: MPS on, SM share prefill/decode {self.split[0]}/{self.split[1]}%", file=sys.stderr)
         return True
 
-    def role_env(self, role: str) -> dict[str, str]:
+    def worker_env(self, name: str, role: str) -> dict[str, str]:
+        """A child's MPS environment: its role's SM share, unless it is alone on its GPUs; {} for the router."""
         share = {"prefill": self.split[0], "decode": self.split[1]}.get(role)
-        return {**self.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)} if share is not None else {}
+        if share is None:
+            return {}
+        return self.env if name in self.whole_gpu else {**self.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)}
 
     def stop(self, env: dict[str, str]) -> None:
         exe = shutil.which("nvidia-cuda-mps-control")

@@ -74,9 +74,9 @@ def disaggregated(num_prefill: int, num_decode: int, num_gpus: int, mps_split: t
     prefill = [WorkerSlot(g) for g in range(num_prefill)]
     first_decode = num_prefill - 1 if shared else num_prefill
     decode = [WorkerSlot(first_decode + j) for j in range(num_decode)]
-    if shared:  # NOTE: the launcher's MPS share is per role (placement.Mps): a worker alone on its GPU gets it too
-        prefill = [WorkerSlot(w.gpu, mps_split[0] / 100) for w in prefill]
-        decode = [WorkerSlot(w.gpu, mps_split[1] / 100, 0.5 if j == 0 else 1.0) for j, w in enumerate(decode)]
+    if shared:  # only the two workers on GPU p - 1 split it (placement.Mps: a worker alone keeps the whole GPU)
+        prefill[-1] = WorkerSlot(prefill[-1].gpu, mps_split[0] / 100)
+        decode[0] = WorkerSlot(decode[0].gpu, mps_split[1] / 100, 0.5)
     name = f"{num_prefill}P:{num_decode}D" + ("-shared" if shared else "")
     return Layout(name, "disaggregated", num_gpus, tuple(prefill), tuple(decode), None, mps_split if shared else None)
 

@@ -1,14 +1,22 @@
 """router/placement.py with TP groups: a worker of TP size N gets N GPUs of its role's list, in order (rank r on
 cuda:r); groups go round robin like single GPUs; a decode worker also sees every prefill GPU not in its group; a
-list shorter than the TP size is refused, naming the flags."""
+list shorter than the TP size is refused, naming the flags; under MPS only workers sharing a GPU get an SM share."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
-from pdserve.router.placement import placement, roles_share_a_gpu, tp_groups
+from pdserve.router.placement import (
+    Mps,
+    alone_on_their_gpus,
+    compute_gpus,
+    placement,
+    roles_share_a_gpu,
+    tp_groups,
+)
 
 
 def test_each_role_on_its_own_gpu_pair() -> None:
@@ -69,3 +77,17 @@ def test_a_gpu_list_shorter_than_its_tp_size_is_refused(
 ) -> None:
     with pytest.raises(ValueError, match=re.escape(needle)):
         placement(prefill, decode, 1, 1, prefill_tp, decode_tp)
+
+
+def test_under_mps_only_the_workers_sharing_a_gpu_get_an_sm_share(tmp_path: Path) -> None:
+    shared = compute_gpus(["0", "1"], ["1"], 2, 1)  # 2P:1D-shared: prefill-1 and decode-0 split GPU 1
+    assert shared == {"prefill-0": ["0"], "prefill-1": ["1"], "decode-0": ["1"]}
+    assert alone_on_their_gpus(shared) == {"prefill-0"}
+    mps = Mps(tmp_path, (70, 30), frozenset(alone_on_their_gpus(shared)))
+    assert mps.worker_env("prefill-0", "prefill") == mps.env  # the MPS pipe, the whole GPU
+    assert mps.worker_env("prefill-1", "prefill")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "70"
+    assert mps.worker_env("decode-0", "decode")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30"
+    assert mps.worker_env("router", "router") == {}
+    apart = compute_gpus(["0", "1"], ["2", "3"], 1, 1, prefill_tp=2, decode_tp=2)
+    assert alone_on_their_gpus(apart) == {"prefill-0", "decode-0"}
+    assert alone_on_their_gpus(compute_gpus(None, None, 1, 1)) == set()  # every GPU seen by all: shares for all
