@@ -35,7 +35,8 @@ from typing import Any
 from pdserve.core.lifecycle import READY_MARK
 from pdserve.router.benchmark.datasets import ClosedLoop, VocabInfo, Workload
 from pdserve.router.benchmark.metrics import RequestRecord, compute_metrics
-from pdserve.router.benchmark.runner import RunConfig, run_in_processes
+from pdserve.router.benchmark.run_config import RunConfig
+from pdserve.router.benchmark.runner import run_in_processes
 from pdserve.router.model_info import ModelSpec
 
 READY_TIMEOUT_S = 60.0

@@ -37,7 +37,8 @@ from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
 from pdserve.router.benchmark import datasets as ds
 from pdserve.router.benchmark.lengths import WORKLOADS, LengthSampler, UniformWorkload, workload_named
 from pdserve.router.benchmark.metrics import RequestRecord, build_report, format_table, parse_goodput, parse_percentiles
-from pdserve.router.benchmark.runner import RunConfig, fetch_model_info, run_in_processes
+from pdserve.router.benchmark.run_config import RunConfig
+from pdserve.router.benchmark.runner import fetch_model_info, run_in_processes
 from pdserve.router.benchmark.sweep import DEFAULT_TARGET, RateSearch, Window, parse_rates
 from pdserve.router.benchmark.sweep_plots import load_sweeps, write_sweep_plots
 from pdserve.router.benchmark.sweep_run import SweepConfig, print_sweep, rate_path, rate_report, run_sweep, sweep_report

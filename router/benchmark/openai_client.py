@@ -22,7 +22,7 @@ import aiohttp
 
 from pdserve.router.benchmark.datasets import RequestSpec
 from pdserve.router.benchmark.metrics import RequestRecord
-from pdserve.router.benchmark.runner import Clock, RunConfig, Sender
+from pdserve.router.benchmark.run_config import Clock, RunConfig, Sender
 
 COMPLETIONS_PATH = "/v1/completions"
 READY_POLL_S = 0.2

@@ -16,7 +16,8 @@ from typing import Any
 
 from pdserve.router.benchmark.datasets import Workload
 from pdserve.router.benchmark.metrics import RequestRecord, metrics_by_tag, record_json
-from pdserve.router.benchmark.runner import RunConfig, run_in_processes
+from pdserve.router.benchmark.run_config import RunConfig
+from pdserve.router.benchmark.runner import run_in_processes
 from pdserve.router.benchmark.sweep import (
     RateSearch,
     Window,

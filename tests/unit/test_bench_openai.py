@@ -20,7 +20,8 @@ from starlette.routing import Route
 from pdserve.router.benchmark.datasets import RequestSpec, Workload
 from pdserve.router.benchmark.metrics import RequestRecord, compute_metrics
 from pdserve.router.benchmark.openai_client import CompletionStream
-from pdserve.router.benchmark.runner import RunConfig, run_workload
+from pdserve.router.benchmark.run_config import RunConfig
+from pdserve.router.benchmark.runner import run_workload
 
 FIRST_CHUNK_DELAY_S = 0.05
 """The app's pause between its empty first chunk and the first chunk with text."""
