@@ -1,8 +1,8 @@
 """Python's cyclic garbage collector kept off the serving path: the startup heap frozen, every pause counted.
 
 A full (generation 2) collection stops the process while it scans every object the collector tracks: the
-router holds ~44k of them after start-up (a pass took 9 ms on the 2-core CPU VM, and Python runs 2-4x slower
-on the GPU hosts), a worker far more (torch, the model, the engine). None of that heap is garbage: it lives
+router holds tens of thousands of them after start-up (a pass takes milliseconds), a worker far more (torch,
+the model, the engine). None of that heap is garbage: it lives
 as long as the process. At tens of thousands of tokens a second the per-token objects trigger such passes
 every few seconds, and each stalls every stream of the process at once. `freeze_startup_heap()` moves what is
 alive once start-up is done into the permanent generation (gc.freeze), so later passes scan only what was

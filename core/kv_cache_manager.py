@@ -126,8 +126,7 @@ class KVCacheManager:
         """Longest cached run of req's blocks, and last_logits when every token (tail too) is cached.
 
         NOTE: hashes are extended (doubling) only while every block so far is cached: a miss hashes one block
-        before its pass and the rest when its blocks are committed, after its first token went out (a 4000-token
-        prompt's 250 blocks: ~50 us on the CPU VM, 2.5-4x that on the GPU hosts)."""
+        before its pass and the rest when its blocks are committed, after its first token went out."""
         num_full = req.num_tokens // self.block_size
         end = min(num_full, max(1, len(req.block_hashes)))
         while True:
@@ -183,7 +182,7 @@ class KVCacheManager:
 
     def defer_prompt_commit(self, req: Request, last_logits: torch.Tensor, greedy_token: int | None) -> None:
         """commit() of a prompt the last pass has just computed, held until flush(): the caller sends the first
-        token first (registering a 1000-token prompt's blocks and caching its row took ~0.2 ms on the CPU VM).
+        token first (registering a long prompt's blocks and caching its row would delay it).
 
         Call it before the sampled token is appended. flush() must run before the next forward pass (last_logits
         is a view of that pass's logits) and before the next scheduling round; free() runs it first, so no

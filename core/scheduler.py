@@ -144,7 +144,7 @@ class Scheduler:
 
 
 def ids_key(req: Request) -> bytes:
-    """req's token ids as one bytes key (their int64 values): a 4000-id prompt hashes in ~8 us on the CPU VM, its
-    tuple in ~30 (on the path of every prefill's admission)."""
+    """req's token ids as one bytes key (their int64 values): hashed far faster than a tuple of ints, on the path
+    of every prefill's admission."""
     ids = req.tokens(0, req.num_tokens)
     return (ids if isinstance(ids, np.ndarray) else np.asarray(ids, dtype=np.int64)).tobytes()

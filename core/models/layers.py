@@ -105,7 +105,7 @@ class VocabEmbedding(nn.Module):
     rows; also the (tied) lm_head, whose logits the ranks all-gather.
 
     NOTE: an odd vocabulary (GPT-2's 50257) makes the logits' row stride misaligned, and cuBLAS then falls
-    back to a slow kernel (128 us instead of ~20 us for a 128-row decode step on an H200). The padding rows
+    back to a kernel several times slower (docs/benchmarks.md, decode throughput). The padding rows
     are never looked up (token ids are < vocab_size) and their logits are cut off.
     """
 
