@@ -104,7 +104,7 @@ class ModelConfig:
                 num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
                 head_dim=getattr(hf, "head_dim", None) or hidden // num_heads,
                 intermediate_size=hf.intermediate_size,
-                max_model_len=hf.max_position_embeddings,
+                max_model_len=min(hf.max_position_embeddings, sliding_window(hf) or hf.max_position_embeddings),
             )
         elif hf.model_type == "gpt2":
             arch = "gpt2"
@@ -133,6 +133,17 @@ class ModelConfig:
             hf_config=hf,
             **shape,
         )
+
+
+def sliding_window(hf: Any) -> int | None:
+    """The attention window a config turns on (Mistral's and Mixtral's sliding_window; Qwen2's and Qwen3's when
+    use_sliding_window), or None. The engine attends to the whole context, which equals windowed attention only
+    while no sequence is longer than the window: the model's context is capped to it (as vLLM did before it had
+    sliding windows)."""
+    window = getattr(hf, "sliding_window", None)
+    if not window or (hasattr(hf, "use_sliding_window") and not hf.use_sliding_window):
+        return None
+    return int(window)
 
 
 def _eos_ids(hf: Any, path: str) -> tuple[int, ...]:
