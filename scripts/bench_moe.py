@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from bench_decode import replay_ms
 from torch import nn
 
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
@@ -256,21 +257,13 @@ def observed_routing(engine: Engine, top_k: int) -> dict[int, int]:
     return hooks.distinct_experts(top_k)
 
 
-def replay_ms(engine: Engine, batch: int, repeats: int = 50) -> float | None:
-    """GPU time (ms) of one captured decode step of `batch` (the floor under the engine's host work); None: no
-    graph holds it."""
+def graph_step_ms(engine: Engine, batch: int) -> float | None:
+    """GPU time (ms) of one captured decode step of `batch` (bench_decode.replay_ms); None: no graph holds it."""
     graphs = engine.runner.graphs
     if graphs is None or batch > graphs.max_size:
         return None
     sync(engine.runner.device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graphs.replay(batch)
-    start.record()
-    for _ in range(repeats):
-        graphs.replay(batch)
-    end.record()
-    end.synchronize()
-    return round(start.elapsed_time(end) / repeats, 4)
+    return round(replay_ms(engine, batch, repeats=50), 4)
 
 
 def start_batch(engine: Engine, batch: int, setup: Setup) -> list[str]:
@@ -304,7 +297,7 @@ def decode_batch(engine: Engine, batch: int, setup: Setup) -> dict[str, Any]:
         raise RuntimeError(f"{len(engine.scheduler.running)} of {batch} sequences still decode after the timed steps")
     row: dict[str, Any] = {"sequences_running": len(engine.scheduler.running), **stats("tpot", times)}
     row["output_tok_per_s"] = round(batch / (row["median_tpot_ms"] / 1e3), 1)
-    row["graph_replay_ms"] = replay_ms(engine, batch)
+    row["graph_replay_ms"] = graph_step_ms(engine, batch)
     row["distinct_experts_observed"] = observed_routing(engine, moe_args(engine.config.model).top_k)
     for rid in ids:
         engine.abort(rid)

@@ -115,16 +115,7 @@ class PrefillWorker:
     def advance_to(self, t: float) -> None:
         """Run every step that starts before t."""
         while self.queue and self.now < t:
-            budget, tokens, surcharge, finished = self.budget, 0, 0.0, []
-            for entry in self.queue:
-                n = min(entry[1], budget)
-                entry[1] -= n
-                budget, tokens = budget - n, tokens + n
-                surcharge += self.cost.surcharge(entry[0].prompt_len, n)
-                if entry[1] == 0:
-                    finished.append(entry[0])
-                if budget == 0:
-                    break
+            tokens, surcharge, finished = take_chunk(self.queue, self.budget, self.cost)
             self.now += (self.cost.prefill(tokens) + surcharge) * self.slow
             self.queued_tokens -= tokens
             for req in finished:
@@ -233,16 +224,7 @@ class ColocatedWorker:
         batch = self.batch
         while (batch.num_running or self.prefilling or self.waiting) and self.now < t:
             self._admit()
-            budget, tokens, surcharge, finished = max(0, self.chunk - batch.num_running), 0, 0.0, []
-            for entry in self.prefilling:
-                if budget == 0:
-                    break
-                n = min(entry[1], budget)
-                entry[1] -= n
-                budget, tokens = budget - n, tokens + n
-                surcharge += self.cost.surcharge(entry[0].prompt_len, n)
-                if entry[1] == 0:
-                    finished.append(entry[0])
+            tokens, surcharge, finished = take_chunk(self.prefilling, max(0, self.chunk - batch.num_running), self.cost)
             decodes = batch.num_running
             context = batch.context_sum / decodes if decodes else 0.0
             self.now += self.cost.mixed(tokens, decodes, context, surcharge) * self.slow
@@ -255,6 +237,22 @@ class ColocatedWorker:
                 else:
                     req.done = self.now
                     batch.kv_used -= req.prompt_len + req.output_len
+
+
+def take_chunk(entries: deque[list[Any]], budget: int, cost: StepCost) -> tuple[int, float, list[SimRequest]]:
+    """One step's prompt tokens, FCFS from entries ([request, prompt tokens still to run], decremented in place) up
+    to budget: (tokens, their surcharge, the requests whose prompt this step finishes, in order)."""
+    tokens, surcharge, finished = 0, 0.0, []
+    for entry in entries:
+        if budget == 0:
+            break
+        n = min(entry[1], budget)
+        entry[1] -= n
+        budget, tokens = budget - n, tokens + n
+        surcharge += cost.surcharge(entry[0].prompt_len, n)
+        if entry[1] == 0:
+            finished.append(entry[0])
+    return tokens, surcharge, finished
 
 
 def sys_maxsize() -> int:
