@@ -3,8 +3,11 @@
 messages (NCCL eager, NCCL in a CUDA graph, torch symmetric memory's one-shot) and KV handoff bandwidth between
 prefill and decode groups of TP 1 and 2. Each part starts its own processes, one per rank, rank r on GPU r;
 every rank of a part runs the same steps in the same order and rank 0 reports. Prints a table, writes one JSON.
+With --gpus 4 the handoff's decode ranks run on GPUs 2 and 3 (every pull crosses NVLink), and --shape llama-70b
+gives the handoff Llama-3-70B's KV (its weights fit no single GPU: the decode part refuses it).
 
     python scripts/bench_tp.py --out bench/results/tp_h100x2.json
+    python scripts/bench_tp.py --gpus 4 --shape llama-70b --parts handoff --out /tmp/handoff70b.json
     python scripts/bench_tp.py --smoke --out /tmp/tp_smoke.json   # tiny shapes on CPU: gloo, shm, no graphs
 
 NOTE: NVLink multicast stays off (MULTICAST_OFF, set before any process starts): on a shared host a program
@@ -50,6 +53,11 @@ LLAMA_8B: dict[str, Any] = dict(
     hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
     vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
 )  # fmt: skip
+LLAMA_70B: dict[str, Any] = dict(
+    hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672,
+    vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
+)  # fmt: skip
+SHAPES = {"llama-8b": LLAMA_8B, "llama-70b": LLAMA_70B}
 TINY_LLAMA: dict[str, Any] = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
     vocab_size=256, rope_theta=10000.0, max_position_embeddings=256,
@@ -89,6 +97,8 @@ class Setup:
     """Blocks of each handoff pool (block 0 is the null block)."""
     handoff_blocks: int
     """Blocks of one handoff: a prompt of handoff_blocks * 16 tokens."""
+    decode_gpu: int = 0
+    """GPU of the handoff's decode rank 0 (its rank r on decode_gpu + r): 0 shares the prefill ranks' GPUs."""
 
     @property
     def dtype(self) -> str:
@@ -115,7 +125,8 @@ class Setup:
 def make_setup(args: argparse.Namespace, work_dir: str) -> Setup:
     if args.smoke:
         return Setup("cpu", work_dir, TINY_LLAMA, 24, (1, 4), 2, 4, (1, 8), 8, 3, 64, 16)
-    return Setup("cuda", work_dir, LLAMA_8B, 1024, (1, 64), 10, args.steps, (1, 8, 64), 64, args.repeats, 1024, 256)
+    return Setup("cuda", work_dir, SHAPES[args.shape], 1024, (1, 64), 10, args.steps, (1, 8, 64), 64, args.repeats,
+                 1024, 256, decode_gpu=args.gpus - 2)  # fmt: skip
 
 
 def rank_device(setup: Setup, rank: int) -> torch.device:
@@ -408,7 +419,7 @@ def handoff_rank(index: int, setup: Setup, out: str) -> None:
     """Process index of 4: prefill rank index (0, 1) or decode rank index - 2 (2, 3), rank r on GPU r; process 0
     writes. Prefill and decode pools live in different processes: a CUDA IPC handle opens only in another one."""
     role, rank = ("prefill", "decode")[index // 2], index % 2
-    device = rank_device(setup, rank)
+    device = rank_device(setup, rank + (setup.decode_gpu if role == "decode" else 0))
     if device.type == "cuda":
         torch.cuda.set_device(device)
     init = rendezvous(setup, "handoff")
@@ -460,10 +471,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (gloo, shm, eager): every CPU path")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    p.add_argument("--gpus", type=int, choices=[2, 4], default=2, help="4: the handoff's decode ranks on GPUs 2, 3")
+    p.add_argument("--shape", choices=list(SHAPES), default="llama-8b", help="the model (llama-70b: handoff only)")
     p.add_argument("--steps", type=int, default=100, help="timed decode steps per batch")
     p.add_argument("--repeats", type=int, default=20, help="timed runs of each all-reduce and handoff")
     p.add_argument("--part-timeout", type=float, default=900.0, help="seconds before a part's processes are killed")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.shape == "llama-70b" and set(args.parts) != {"handoff"}:
+        p.error("--shape llama-70b fits no single GPU at TP 1: only --parts handoff")
+    return args
 
 
 def header(setup: Setup) -> dict[str, Any]:
@@ -471,7 +487,9 @@ def header(setup: Setup) -> dict[str, Any]:
     return {
         "what": "TP 1 vs TP 2 on 2 GPUs: the engine's decode step (dummy weights), all-reduce of [batch, hidden] "
         "messages, KV handoff between prefill and decode groups; rank r on GPU r",
-        "gpu": [torch.cuda.get_device_name(i) for i in range(2)] if setup.device == "cuda" else ["cpu"],
+        "gpu": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if setup.device == "cuda"
+        else ["cpu"],
         "torch": torch.__version__,
         "command": shlex.join([sys.executable, *sys.argv]),
         "env": MULTICAST_OFF,
@@ -485,8 +503,8 @@ def main() -> int:
     os.environ.update(MULTICAST_OFF)  # NOTE: before any process (or CUDA context) exists
     multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     setup = make_setup(args, tempfile.mkdtemp(prefix="bench_tp_"))
-    if setup.device == "cuda" and torch.cuda.device_count() < 2:
-        print("needs 2 CUDA devices (--smoke runs on CPU)", file=sys.stderr)
+    if setup.device == "cuda" and torch.cuda.device_count() < args.gpus:
+        print(f"needs {args.gpus} CUDA devices (--smoke runs on CPU)", file=sys.stderr)
         return 2
     Path(setup.model_dir).mkdir()
     write_json(Path(setup.model_dir) / "config.json", {"model_type": "llama", **setup.model})  # a LlamaConfig

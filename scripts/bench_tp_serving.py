@@ -1,19 +1,31 @@
 #!/usr/bin/env python3
-"""A 32B-class model served on two GPUs: 1 prefill (TP 2) + 1 decode (TP 2) sharing GPUs 0,1 under a 50/50 MPS
-split, against colocated TP 2 on the same GPUs. Qwen2.5-32B's shape with dummy bf16 weights (64 GB, 32.8 GB per
-GPU and group). Each part measures the batch-1 TPOT against the HBM floor of one group's per-GPU weight bytes
-and runs bench_serving_suite's long-prompt interference load, scaled to fit a ~3.5-minute part.
+"""A model larger than one GPU served disaggregated with a TP-2 group per role, against colocated TP-2 groups on
+the same GPUs, dummy bf16 weights:
 
-    python3 scripts/bench_tp_serving.py --part all --out bench/out/tp32b       # 2 GPUs, ~7 minutes
-    python3 scripts/bench_tp_serving.py --smoke --part all --out /tmp/tp-smoke # tiny qwen2 on CPU (gloo)
-    python3 scripts/bench_tp_serving.py --part model                           # the model's figures, nothing run
+- 2 GPUs (--gpus 2): Qwen2.5-32B's shape (64 GB, 32.8 GB per GPU and group); 1 prefill (TP 2) + 1 decode (TP 2)
+  sharing GPUs 0,1 under a 50/50 MPS split, against one colocated TP-2 worker on GPUs 0,1.
+- 4 GPUs (--gpus 4): Llama-3-70B's shape (141 GB, 70.6 GB per GPU and group; --shape qwen2.5-32b where a GPU
+  has less than ~100 GB); prefill TP 2 on GPUs 0,1 + decode TP 2 on GPUs 2,3, against two colocated TP-2
+  workers (0,1 and 2,3); and a "whole" part: one TP-4 group over the four GPUs, the reference of the tokens.
 
-Parts: disagg, colocated, all (disagg first; each cluster stopped before the next starts). Before any cluster,
-the GPU's bandwidth is measured in a child process (a device-to-device copy on GPU 0, CUDA events): the floor is
-one group's per-GPU weight bytes over it. Writes --out/{part}.json (GPU, torch, every command, every figure, the
-bench reports; for a failed part the tails of its logs) and --out/summary.json; scratch (model folder, run dirs,
-logs) lives in a temp dir, removed at the end. Past --deadline-s the run stops its cluster, writes what it has
-and exits 1.
+Each part measures the batch-1 TPOT against the HBM floor of one group's per-GPU weight bytes, runs
+bench_serving_suite's long-prompt interference load scaled to fit a ~3.5-minute part, and asks a few short
+prompts for greedy tokens with their log-probabilities: every part's tokens are compared with the reference
+(the TP-4 group on 4 GPUs, colocated TP 2 on 2) as vLLM compares bf16 runs: equal up to the first position where
+each run's token is among the other's top log-probabilities, and the chosen tokens' log-probabilities within
+LOGPROB_TOLERANCE before it.
+
+    python3 scripts/bench_tp_serving.py --part all --out bench/out/tp32b                   # 2 GPUs, ~7 minutes
+    python3 scripts/bench_tp_serving.py --gpus 4 --part all --out bench/out/tp70b          # 4 GPUs, ~8 minutes
+    python3 scripts/bench_tp_serving.py --smoke --part all --out /tmp/tp-smoke             # tiny qwen2 on CPU (gloo)
+    python3 scripts/bench_tp_serving.py --gpus 4 --part model                              # the model's figures
+
+Parts: disagg, colocated, whole (4 GPUs), all (in that order; each cluster stopped before the next starts).
+Before any cluster, the GPU's bandwidth is measured in a child process (a device-to-device copy on GPU 0, CUDA
+events): the floor is one group's per-GPU weight bytes over it. Writes --out/{part}.json (GPU, torch, every
+command, every figure, the bench reports; for a failed part the tails of its logs) and --out/summary.json;
+scratch (model folder, run dirs, logs) lives in a temp dir, removed at the end. Past --deadline-s the run stops
+its cluster, writes what it has and exits 1.
 
 NOTE: NVLink multicast stays off in everything started here (MULTICAST_OFF): on a shared host a program using it
 can take the GPUs out of service.
@@ -39,10 +51,14 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import grpc
+import numpy as np
 from bench_serving_suite import COLOCATED_FLAGS, INTERFERENCE, gpu_name
 
 from pdserve.core.model_store import GPT2_VOCAB_SIZE, write_gpt2_tokenizer
 from pdserve.core.step_timer import quantile_ms
+from pdserve.proto.pdserve.v1 import pdserve_pb2 as pb
+from pdserve.proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -53,11 +69,26 @@ QWEN25_32B: dict[str, Any] = dict(
     QWEN2, hidden_size=5120, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
     intermediate_size=27648, vocab_size=152064, rope_theta=1e6, max_position_embeddings=32768,
 )  # fmt: skip
+LLAMA3_70B: dict[str, Any] = dict(
+    model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_size=8192,
+    num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672,
+    vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
+)  # fmt: skip
+SHAPES = {"qwen2.5-32b": QWEN25_32B, "llama-70b": LLAMA3_70B}
+LARGE_GPU_BYTES = 100 << 30
+"""GPU memory from which --shape auto picks the 70B shape on 4 GPUs (an H200's 141 GB; not an H100's 80)."""
 TINY_QWEN2: dict[str, Any] = dict(
     QWEN2, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     intermediate_size=128, vocab_size=1024, rope_theta=1e6, max_position_embeddings=1024,
 )  # fmt: skip
-PARTS = ("disagg", "colocated")
+PARTS = ("disagg", "colocated", "whole")
+"""whole: one group of every GPU, run on 4 GPUs only (on 2 it is the colocated part)."""
+EQUALITY_PROMPTS = 4
+EQUALITY_TOKENS = 32
+TOP_LOGPROBS = 5
+LOGPROB_TOLERANCE = 0.1
+"""Nats between two bf16 runs' log-probabilities of the same greedy token (different TP sizes sum partial
+products in different orders)."""
 STOP_RESERVE_S = 30.0
 """Seconds of --deadline-s kept for stopping the last cluster and writing the JSON."""
 STOP_TIMEOUT_S = 60.0
@@ -94,8 +125,8 @@ class Setup:
     """Weights and activations."""
     model: dict[str, Any]
     """config.json fields of the model (dummy weights)."""
-    gpus: str | None
-    """GPUs both roles share ("0,1"); None on CPU."""
+    num_gpus: int
+    """GPUs of every part (0 on CPU: ranks over gloo)."""
     num_blocks: int
     """KV blocks of each worker (each rank holds its KV heads' share of each block)."""
     max_num_seqs: int
@@ -116,9 +147,26 @@ class Setup:
     def dtype_bytes(self) -> int:
         return {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
 
+    @property
+    def groups(self) -> int:
+        """TP groups the GPUs hold side by side (1 on CPU or 2 GPUs: the roles share them)."""
+        return max(1, self.num_gpus // self.tp)
 
-GPU = Setup("cuda", "bfloat16", QWEN25_32B, "0,1", 2048, 80, WARMUP, BATCH1, LOADED, 360.0, 180.0, 4 << 30)
-SMOKE = Setup("cpu", "float32", TINY_QWEN2, None, 256, 16, SMOKE_WARMUP, SMOKE_BATCH1, SMOKE_LOADED, 240.0, 120.0, 0)
+    @property
+    def parts(self) -> list[str]:
+        return list(PARTS) if self.groups > 1 else [p for p in PARTS if p != "whole"]
+
+
+def gpu_setup(num_gpus: int, shape: str) -> Setup:
+    """The GPU figure on 2 or 4 GPUs; shape auto: the 70B on 4 GPUs of >= LARGE_GPU_BYTES, else the 32B."""
+    if shape == "auto":
+        shape = (
+            "llama-70b" if num_gpus == 4 and min(gpu_memory_bytes(), default=0) >= LARGE_GPU_BYTES else "qwen2.5-32b"
+        )
+    return Setup("cuda", "bfloat16", SHAPES[shape], num_gpus, 2048, 80, WARMUP, BATCH1, LOADED, 360.0, 180.0, 4 << 30)
+
+
+SMOKE = Setup("cpu", "float32", TINY_QWEN2, 0, 256, 16, SMOKE_WARMUP, SMOKE_BATCH1, SMOKE_LOADED, 240.0, 120.0, 0)
 
 
 class PartFailed(RuntimeError):
@@ -154,11 +202,13 @@ class Deadline:
 
 
 def num_params(m: dict[str, Any]) -> int:
-    """Parameters of a qwen2 model (q/k/v bias, no o bias, RMSNorm weights, untied lm_head unless tied)."""
+    """Parameters of a qwen2 (q/k/v bias) or llama (no bias) model: no o bias, RMSNorm weights, untied lm_head
+    unless tied."""
     hidden, heads, kv_heads = m["hidden_size"], m["num_attention_heads"], m["num_key_value_heads"]
     head_dim = hidden // heads
     q, kv = heads * head_dim, kv_heads * head_dim
-    attention = hidden * (q + 2 * kv) + (q + 2 * kv) + q * hidden
+    bias = (q + 2 * kv) if m["model_type"] == "qwen2" else 0
+    attention = hidden * (q + 2 * kv) + bias + q * hidden
     mlp = 3 * hidden * m["intermediate_size"]
     layer = attention + mlp + 2 * hidden
     embeddings = m["vocab_size"] * hidden * (1 if m["tie_word_embeddings"] else 2)
@@ -237,16 +287,20 @@ def hbm_floor(model: dict[str, Any], bandwidth: dict[str, Any] | None) -> dict[s
 
 
 def cluster_flags(setup: Setup, part: str) -> list[str]:
-    """The launcher's flags of a part past --model, --run-dir and --port."""
+    """The launcher's flags of a part past --model, --run-dir and --port. disagg: the prefill group on the first
+    TP GPUs, the decode group on the next (on the same ones where there are only TP GPUs: MPS); colocated: one
+    TP group per TP GPUs; whole: one group of every GPU."""
     flags = ["--device", setup.device, "--dtype", setup.dtype, "--load-format", "dummy", "--metrics-port", "0"]
     flags += ["--num-blocks", str(setup.num_blocks), "--max-num-seqs", str(setup.max_num_seqs)]
+    gpus = [str(i) for i in range(setup.num_gpus)]
     tp = str(setup.tp)
     if part == "disagg":
         flags += ["--prefill-tp", tp, "--decode-tp", tp]
-        flags += ["--prefill-gpus", setup.gpus, "--decode-gpus", setup.gpus] if setup.gpus else []
-    else:
-        flags += [*COLOCATED_FLAGS, "--tp", tp, *(["--decode-gpus", setup.gpus] if setup.gpus else [])]
-    return flags
+        prefill, decode = gpus[: setup.tp], gpus[-setup.tp :]
+        return flags + (["--prefill-gpus", ",".join(prefill), "--decode-gpus", ",".join(decode)] if gpus else [])
+    groups, tp = (1, str(max(setup.num_gpus, setup.tp))) if part == "whole" else (setup.groups, tp)
+    flags += [*COLOCATED_FLAGS, "--decode", str(groups), "--tp", tp]
+    return flags + (["--decode-gpus", ",".join(gpus)] if gpus else [])
 
 
 class Cluster:
@@ -352,6 +406,63 @@ def run_load(address: str, name: str, args: list[str], scratch: Path, timeout: f
     return Load(shlex.join(argv), code, seconds, json.loads(path.read_text()))
 
 
+def equality_prompts(setup: Setup) -> list[list[int]]:
+    """Short prompts of random token ids (the same in every part), below the tokenizer's eos id."""
+    rng = np.random.default_rng(7)
+    high = min(setup.model["vocab_size"], GPT2_VOCAB_SIZE) - 1
+    return [rng.integers(0, high, n).tolist() for n in (8, 16, 31, 40)[:EQUALITY_PROMPTS]]
+
+
+def greedy_logprobs(address: str, prompts: list[list[int]], timeout: float) -> list[dict[str, Any]]:
+    """Each prompt's greedy tokens, one stream at a time, with each token's log-probability and the top ones."""
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=EQUALITY_TOKENS, ignore_eos=True, logprobs=True,
+                                 top_logprobs=TOP_LOGPROBS)  # fmt: skip
+    runs = []
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        for prompt in prompts:
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+            tokens: list[int] = []
+            logprobs: list[float] = []
+            top: list[list[list[float]]] = []
+            for response in stub.Generate(request, timeout=timeout):
+                tokens += response.token_ids
+                logprobs += [lp.logprob for lp in response.logprobs]
+                top += [[[t.token_id, t.logprob] for t in lp.top] for lp in response.logprobs]
+            runs.append({"prompt_len": len(prompt), "token_ids": tokens, "logprobs": logprobs, "top": top})
+    return runs
+
+
+def compare_greedy(got: list[dict[str, Any]], ref: list[dict[str, Any]]) -> dict[str, Any]:
+    """vLLM's comparison of two bf16 runs: tokens equal up to the first difference, where each run's token must be
+    among the other's top log-probabilities (a near tie; the runs part there); before it, the chosen tokens'
+    log-probabilities within LOGPROB_TOLERANCE."""
+    rows = []
+    for g, r in zip(got, ref, strict=True):
+        equal, close, diffs = 0, True, []
+        for i, (a, b) in enumerate(zip(g["token_ids"], r["token_ids"], strict=True)):
+            if a != b:
+                close = b in [t for t, _ in g["top"][i]] and a in [t for t, _ in r["top"][i]]
+                break
+            equal += 1
+            diffs.append(abs(g["logprobs"][i] - r["logprobs"][i]))
+        worst = max(diffs, default=0.0)
+        rows.append({"equal_tokens": equal, "tokens": len(r["token_ids"]), "near_tie_at_difference": close,
+                     "max_logprob_diff": worst, "within_tolerance": close and worst <= LOGPROB_TOLERANCE})  # fmt: skip
+    return {"prompts": rows, "identical": all(r["equal_tokens"] == r["tokens"] for r in rows),
+            "within_tolerance": all(r["within_tolerance"] for r in rows), "tolerance": LOGPROB_TOLERANCE}  # fmt: skip
+
+
+def greedy_vs_reference(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Every part's greedy tokens against the reference part's (whole where it ran, else colocated)."""
+    have = {part: r["greedy"] for part, r in results.items() if r.get("greedy")}
+    reference = "whole" if "whole" in have else "colocated"
+    if reference not in have:
+        return {"reference": reference, "error": "the reference part has no greedy tokens"}
+    compared = {part: compare_greedy(g, have[reference]) for part, g in have.items() if part != reference}
+    return {"reference": reference, **compared}
+
+
 # --- figures -----------------------------------------------------------------------------------------------------
 
 STREAM_KEYS = ("completed", "failed", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
@@ -433,6 +544,9 @@ def measure_part(ctx: Context, cluster: Cluster, result: dict[str, Any]) -> None
         reports[name] = run.report
         return run.report
 
+    result["greedy"] = greedy_logprobs(address, equality_prompts(setup), ctx.deadline.limit(setup.load_timeout_s))
+    if result["part"] == "whole":
+        return  # NOTE: the reference of the tokens only
     load("warmup", setup.warmup)
     result["batch1"] = batch1_figures(load("batch1", setup.batch1), ctx.header["hbm"]["floor_ms"])
     before = cluster.decode_counters()
@@ -462,16 +576,27 @@ def write_json(path: Path, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(value, indent=1, default=str) + "\n")
 
 
+def earlier_results(out: Path, parts: list[str]) -> dict[str, dict[str, Any]]:
+    """The JSONs an earlier run left in out of the parts this one does not run: their figures stay in the summary
+    and their greedy tokens are compared (a part run alone on a later call)."""
+    paths = {part: out / f"{part}.json" for part in PARTS if part not in parts}
+    return {part: json.loads(path.read_text()) for part, path in paths.items() if path.exists()}
+
+
 def run_parts(ctx: Context, parts: list[str], out: Path) -> bool:
     """Each part in turn, its JSON and the summary written after each; whether all of them finished."""
     summary: dict[str, Any] = {**ctx.header, "complete": False, "parts": {}}
+    results = earlier_results(out, parts)
+    for part, result in results.items():
+        summary["parts"][part] = headline(result) | {"earlier_run": result.get("date")}
     for part in parts:
         if ctx.deadline.passed():
             summary["parts"][part] = {"error": "DeadlineExceeded: not started"}
             continue
-        result = run_part(ctx, part)
+        results[part] = result = run_part(ctx, part)
         write_json(out / f"{part}.json", result)
         summary["parts"][part] = headline(result)
+        summary["greedy_vs_reference"] = greedy_vs_reference(results)
         summary["elapsed_s"] = ctx.deadline.elapsed()
         write_json(out / "summary.json", summary)
     summary["complete"] = all(p.get("error") is None for p in summary["parts"].values())
@@ -479,6 +604,16 @@ def run_parts(ctx: Context, parts: list[str], out: Path) -> bool:
     write_json(out / "summary.json", summary)
     print(json.dumps(summary["parts"], indent=1), flush=True)
     return bool(summary["complete"])
+
+
+def gpu_memory_bytes() -> list[int]:
+    """Total memory of every GPU nvidia-smi lists ([] without one)."""
+    query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [int(line) << 20 for line in out.split()]
 
 
 def host_gpus() -> list[str]:
@@ -511,6 +646,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--part", choices=[*PARTS, "all", "model"], required=True, help="model: print its figures")
     p.add_argument("--out", default=None, help="folder of the JSON files (3 at most)")
     p.add_argument("--smoke", action="store_true", help="tiny qwen2 on CPU (gloo), tiny loads, no bandwidth")
+    p.add_argument("--gpus", type=int, choices=[2, 4], default=2, help="GPUs of the host (default 2)")
+    p.add_argument("--shape", choices=["auto", *SHAPES], default="auto",
+                   help="the model (auto: llama-70b on 4 GPUs of >= 100 GB, else qwen2.5-32b)")  # fmt: skip
     p.add_argument("--deadline-s", type=float, default=540.0, help="stop, write what there is and exit 1 after this")
     args = p.parse_args(argv)
     if args.part != "model" and args.out is None:
@@ -522,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     os.environ.update(MULTICAST_OFF)  # NOTE: before any process (or CUDA context) exists
-    setup = SMOKE if args.smoke else GPU
+    setup = SMOKE if args.smoke else gpu_setup(args.gpus, args.shape)
     if args.part == "model":
         print(json.dumps(model_figures(setup), indent=1))
         return 0
@@ -535,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         hbm = hbm_floor(model_figures(setup), measure_bandwidth(setup, deadline))
         print(f"== HBM floor {hbm['floor_ms']} ms; bandwidth {hbm['bandwidth']}", flush=True)
         ctx = Context(setup, model_dir, scratch, deadline, make_header(setup, hbm, argv))
-        complete = run_parts(ctx, list(PARTS) if args.part == "all" else [args.part], out)
+        complete = run_parts(ctx, setup.parts if args.part == "all" else [args.part], out)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)  # NOTE: what a failure needs is in the JSON (log tails)
     return 0 if complete else 1
