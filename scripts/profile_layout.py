@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""The planner's profile of one GPU (router/plan/profile.py): the engine's time to the first token of one prompt
-per length, and its decode step time per batch size and context, plus the KV tokens its pool holds.
+"""The planner's profile of a worker (router/plan/profile.py): the engine's time to the first token of one prompt
+per length, and its decode step time per batch size and context, plus the KV tokens its pool holds. --tp N
+profiles a worker of N GPUs (one process per rank, rank r on GPU r) and adds it to the "tp" section of the
+TP-1 profile already at --out (same shape, same GPU), so profile TP 1 first.
 
     python scripts/profile_layout.py --shape llama-8b --gpus 2 --out bench/results/profile-llama-8b.json
-    python scripts/profile_layout.py --smoke --out /tmp/profile.json      # tiny shape on CPU, no timing claims
+    python scripts/profile_layout.py --shape llama-8b --tp 2 --out bench/results/profile-llama-8b.json
+    python scripts/profile_layout.py --smoke [--tp 2] --out /tmp/profile.json  # tiny shape on CPU (gloo): no timings
     pdserve-plan --profile bench/results/profile-llama-8b.json --workload long-input --slo ttft:1000,tpot:15
 
 The engine is built as a worker builds it (dummy weights, the pool sized from free memory), prefill with the
@@ -14,8 +17,11 @@ is extrapolated along the batch from the two largest batches that fit, and marke
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import itertools
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -26,11 +32,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 from bench_decode import replay_ms
 from bench_moe import TINY, stats, sync, write_model
+from bench_tp import MULTICAST_OFF
 
+from pdserve.core import parallel
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.core.engine import Engine
+from pdserve.core.parallel import ParallelConfig
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.router.plan.profile import PROFILE_VERSION, Profile
 
@@ -54,12 +64,12 @@ GPU_GRID = Grid((128, 512, 1024, 2048, 4096, 8192), (1, 16, 64, 128), (512, 2048
 SMOKE_GRID = Grid((16, 64, 128), (1, 4), (32, 128), 64, 3, 2)
 
 
-def make_engine(folder: Path, device: str, grid: Grid, num_blocks: int | None) -> Engine:
-    dtype = "bfloat16" if device == "cuda" else "float32"
+def make_engine(folder: Path, device: str, grid: Grid, num_blocks: int | None, pc: ParallelConfig) -> Engine:
+    dtype = "float32" if device == "cpu" else "bfloat16"
     model = ModelConfig.from_pretrained(folder, dtype=dtype, load_format="dummy")
     cache = CacheConfig(num_blocks=num_blocks, enable_prefix_caching=False)
     scheduler = SchedulerConfig(max_num_seqs=max(grid.batches), max_num_batched_tokens=grid.budget)
-    return Engine(EngineConfig(model, cache, scheduler, device=device))
+    return Engine(EngineConfig(model, cache, scheduler, device=device, parallel=pc))
 
 
 def prompt(engine: Engine, n: int, seed: int) -> list[int]:
@@ -143,51 +153,104 @@ def decode_grid(engine: Engine, grid: Grid, capacity: int) -> list[dict[str, Any
     return points
 
 
+def measure(engine: Engine, grid: Grid) -> dict[str, Any]:
+    """The worker's costs as a profile holds them: prefill points, decode grid, KV tokens of its pool."""
+    capacity = (engine.pool.num_blocks - 1) * engine.config.cache.block_size
+    prefill = []
+    for n in grid.prompt_lens:
+        prefill.append(prefill_ms(engine, n, grid.repeats))
+        print(f"prefill {n} tokens: {prefill[-1]['ms']:.3f} ms", flush=True)
+    decode = decode_grid(engine, grid, capacity)
+    return {"prefill": {"budget": grid.budget, "points": prefill}, "decode": {"points": decode},
+            "kv_capacity_tokens": capacity}  # fmt: skip
+
+
+def rank_main(rank: int, size: int, folder: str, device: str, grid: Grid, num_blocks: int | None, out: str) -> None:
+    """Rank `rank` of a worker of `size` ranks: every rank runs the same steps (their control flow depends on counts
+    alone, the pool's size agreed by the group); rank 0 reports and writes the costs to out."""
+    rank_device = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    pc = ParallelConfig(size, rank)
+    parallel.init_tp_group(pc, f"file://{out}.rendezvous", rank_device)
+    engine = make_engine(Path(folder), str(rank_device), grid, num_blocks, pc)
+    with contextlib.nullcontext() if rank == 0 else contextlib.redirect_stdout(io.StringIO()):
+        costs = measure(engine, grid)
+    parallel.close_tp_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(costs))
+
+
+def measure_tp(size: int, folder: Path, device: str, grid: Grid, num_blocks: int | None) -> dict[str, Any]:
+    """The costs of a worker of `size` ranks, one process each."""
+    out = folder / f"costs-tp{size}.json"
+    mp.spawn(rank_main, args=(size, str(folder), device, grid, num_blocks, str(out)), nprocs=size, join=True)
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def tp1_profile(out: Path, args: argparse.Namespace, gpu: str) -> dict[str, Any]:
+    """The TP-1 profile at out that --tp adds to; ValueError when there is none of this shape and GPU."""
+    if not out.exists():
+        raise ValueError(f"--tp {args.tp} adds to the TP-1 profile at --out: profile TP 1 into {out} first")
+    doc: dict[str, Any] = json.loads(out.read_text())
+    Profile.from_json(doc)
+    model = doc.get("model", {})
+    if (model.get("shape"), model.get("smoke"), doc.get("gpu")) != (args.shape, args.smoke, gpu):
+        raise ValueError(
+            f"{out} profiles {model.get('shape')} (smoke {model.get('smoke')}) on {doc.get('gpu')}, not {args.shape} "
+            f"(smoke {args.smoke}) on {gpu}"
+        )
+    return doc
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama-8b", help="a make_bench_model.py shape")
     p.add_argument("--gpus", type=int, default=2, help="GPUs the planner lays out by default")
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, float32: runs end to end")
+    p.add_argument("--tp", type=int, default=1, help="TP size of the worker profiled; > 1 adds it to --out's profile")
     p.add_argument("--max-model-len", type=int, default=None, help="recorded for the planner (default: the shape's)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (default: sized from free memory)")
-    p.add_argument("--out", required=True, help="write the profile here")
+    p.add_argument("--out", required=True, help="write the profile here (--tp > 1: the TP-1 profile to add to)")
     return p.parse_args()
 
 
 def main() -> int:
     args = parse_args()
     device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("needs a CUDA device (--smoke runs on CPU)", file=sys.stderr)
+    if device == "cuda" and torch.cuda.device_count() < args.tp:
+        print(f"needs {args.tp} CUDA device(s) (--smoke runs on CPU)", file=sys.stderr)
         return 2
+    gpu, out = torch.cuda.get_device_name() if device == "cuda" else "cpu", Path(args.out)
+    try:
+        base = tp1_profile(out, args, gpu) if args.tp > 1 else None
+    except ValueError as exc:
+        print(f"profile_layout.py: {exc}", file=sys.stderr)
+        return 2
+    os.environ.update(MULTICAST_OFF)  # NOTE: before any rank (or CUDA context) exists
     grid = SMOKE_GRID if args.smoke else GPU_GRID
     folder = write_model(args.shape, Path(tempfile.mkdtemp(prefix="profile_layout_")), dict(TINY) if args.smoke else {})
     num_blocks = args.num_blocks or (256 if args.smoke else None)
-    engine = make_engine(folder, device, grid, num_blocks)
-    capacity = (engine.pool.num_blocks - 1) * engine.config.cache.block_size
-    prefill = []
-    for n in grid.prompt_lens:
-        prefill.append(prefill_ms(engine, n, grid.repeats))
-        print(f"prefill {n} tokens: {prefill[-1]['ms']:.3f} ms", flush=True)
-    config = json.loads((folder / "config.json").read_text())
-    doc = {
-        "version": PROFILE_VERSION,
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "num_gpus": args.gpus,
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "torch": torch.__version__,
-        "model": {"shape": args.shape, "dtype": engine.config.model.dtype, "smoke": args.smoke,
-                  "num_hidden_layers": config.get("num_hidden_layers"),
-                  "max_model_len": args.max_model_len or config.get("max_position_embeddings")},
-        "prefill": {"budget": grid.budget, "points": prefill},
-        "decode": {"points": decode_grid(engine, grid, capacity)},
-        "kv_capacity_tokens": capacity,
-    }  # fmt: skip
-    Profile.from_json(doc)  # NOTE: the planner must read what was written
-    out = Path(args.out)
+    if args.tp > 1:
+        costs = measure_tp(args.tp, folder, device, grid, num_blocks)
+    else:
+        costs = measure(make_engine(folder, device, grid, num_blocks, ParallelConfig()), grid)
+    command = shlex.join([sys.executable, *sys.argv])
+    if base is not None:
+        doc = base | {"tp": base.get("tp", {}) | {str(args.tp): costs | {"command": command}}}
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        doc = {
+            "version": PROFILE_VERSION, "gpu": gpu, "num_gpus": args.gpus, "command": command,
+            "torch": torch.__version__,
+            "model": {"shape": args.shape, "dtype": "float32" if args.smoke else "bfloat16", "smoke": args.smoke,
+                      "num_hidden_layers": config.get("num_hidden_layers"),
+                      "max_model_len": args.max_model_len or config.get("max_position_embeddings")},
+        } | costs  # fmt: skip
+    Profile.from_json(doc).at_tp(args.tp)  # NOTE: the planner must read what was written
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {out}" + (f" (TP {args.tp} section)" if base is not None else ""))
     return 0
 
 

@@ -5,7 +5,8 @@
     pdserve-plan ... --launch-flags     # the recommended layout's pdserve-cluster flags, one a line
 
 The model (docs/planner.md): a discrete-event simulation of each layout on the profiled step times
-(simulate.py), bisected for the highest Poisson rate at which 90% of requests meet every SLO (search.py).
+(simulate.py), bisected for the highest Poisson rate at which 90% of requests meet every SLO (search.py). The
+layouts with tensor-parallel workers (layouts.py) join the comparison for each TP size the profile has.
 """
 
 from __future__ import annotations
@@ -85,14 +86,15 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     trace = Trace.draw(sampler, config.num_requests, config.seed, max_len)
     cost = StepCost(profile)
     chunks = tuple(int(c) for c in args.chunks.split(","))
-    layouts = layouts_for(num_gpus, chunks, (split[0], split[1]))
+    layouts = layouts_for(num_gpus, chunks, (split[0], split[1]), profile.tp_sizes)
     results = [find_goodput(layout, cost, trace, slos, config) for layout in layouts]
     rows = [result_json(r, args.max_num_seqs) for r in results]
     best = max(results, key=lambda r: (r.goodput_per_gpu, r.layout.kind == "colocated"))
     colocated = max((r for r in results if r.layout.kind == "colocated"), key=lambda r: r.goodput_per_gpu)
     ratio = best.goodput_per_gpu / colocated.goodput_per_gpu if colocated.goodput_per_gpu > 0 else None
     return {
-        "profile": {"path": args.profile, "gpu": profile.gpu, "model": dict(profile.model)},
+        "profile": {"path": args.profile, "gpu": profile.gpu, "model": dict(profile.model),
+                    "tp_sizes": list(profile.tp_sizes)},
         "num_gpus": num_gpus,
         "workload": {"name": sampler.name, "source": sampler.source, "mean_input_len": float(trace.prompt_lens.mean()),
                      "mean_output_len": float(trace.output_lens.mean()), "max_model_len": max_len},
@@ -116,6 +118,7 @@ def result_json(result: LayoutResult, max_num_seqs: int) -> dict[str, Any]:
         "layout": layout.name,
         "kind": layout.kind,
         "num_gpus": layout.num_gpus,
+        "tp": {"prefill": layout.prefill_tp if layout.prefill else None, "decode": layout.decode_tp},
         "goodput": result.goodput,
         "goodput_per_gpu": result.goodput_per_gpu,
         "p90_ttft_ms": knee.p90_ttft_ms if knee else None,
@@ -130,15 +133,18 @@ def format_plan(doc: dict[str, Any]) -> str:
     """The table, the recommendation and its reasoning."""
     slos = ", ".join(f"{k} <= {v:g} ms" for k, v in doc["slos_ms"].items())
     w = doc["workload"]
+    width = max(16, *(len(r["layout"]) for r in doc["layouts"]))
     lines = [
         f"{doc['profile']['gpu']} x {doc['num_gpus']}, workload {w['name']} (mean {w['mean_input_len']:.0f} in / "
         f"{w['mean_output_len']:.0f} out), {slos}, {doc['target_attainment']:.0%} attainment",
-        f"{'layout':<16} {'req/s':>8} {'/GPU':>8} {'p90 TTFT':>9} {'p90 TPOT':>9}  why it stops there",
+        f"{'layout':<{width}} {'req/s':>8} {'/GPU':>8} {'p90 TTFT':>9} {'p90 TPOT':>9}  why it stops there",
     ]
     for r in doc["layouts"]:
         ttft = f"{r['p90_ttft_ms']:9.0f}" if r["p90_ttft_ms"] is not None else f"{'-':>9}"
         tpot = f"{r['p90_tpot_ms']:9.1f}" if r["p90_tpot_ms"] is not None else f"{'-':>9}"
-        lines.append(f"{r['layout']:<16} {r['goodput']:8.2f} {r['goodput_per_gpu']:8.2f} {ttft} {tpot}  {r['why']}")
+        lines.append(
+            f"{r['layout']:<{width}} {r['goodput']:8.2f} {r['goodput_per_gpu']:8.2f} {ttft} {tpot}  {r['why']}"
+        )
     if doc["recommended"] is None:
         lines.append("recommended: none: no layout meets the SLO at any rate (loosen it, or see why above)")
         return "\n".join(lines)

@@ -1,11 +1,13 @@
-"""The profile the planner reads (scripts/profile_layout.py writes it): one GPU's prefill time vs prompt length
+"""The profile the planner reads (scripts/profile_layout.py writes it): a worker's prefill time vs prompt length
 and decode step time vs batch and context, interpolated piecewise-linearly and extrapolated from the last two
-points (a prompt or batch beyond the profile costs what the last segment's slope says).
+points (a prompt or batch beyond the profile costs what the last segment's slope says). The top level holds a
+one-GPU worker's costs (TP 1); the optional "tp" section the same costs of a worker of each larger TP size.
 
     {"version": 1, "gpu": "NVIDIA H100 80GB HBM3", "num_gpus": 2, "model": {...},
      "prefill": {"budget": 4096, "points": [{"tokens": 512, "ms": 31.0}, ...]},
      "decode": {"points": [{"batch": 1, "context": 512, "ms": 7.1}, ...]},   # a full batch x context grid
-     "kv_capacity_tokens": 400000, "handoff": {"fixed_ms": 1.0, "ms_per_token": 0.0}}
+     "kv_capacity_tokens": 400000, "handoff": {"fixed_ms": 1.0, "ms_per_token": 0.0},
+     "tp": {"2": {"prefill": {...}, "decode": {...}, "kv_capacity_tokens": 900000}}}   # optional
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 PROFILE_VERSION = 1
+TP_SECTION_KEYS = ("prefill", "decode", "kv_capacity_tokens")
+"""What a "tp" section entry measures with a worker of its TP size; the rest (GPU, model, handoff, MPS slowdown)
+comes from the top level."""
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -31,7 +36,7 @@ def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
 
 @dataclass(frozen=True)
 class Profile:
-    """Measured costs of one worker owning one GPU."""
+    """Measured costs of one worker of tp_size GPUs (the top level: one GPU), and of the other TP sizes profiled."""
 
     gpu: str
     """The GPU's name (torch.cuda.get_device_name), or cpu."""
@@ -60,6 +65,26 @@ class Profile:
     mps_slowdown: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
     """Measured step-time factor of a role ("prefill", "decode") at an MPS SM share in percent; where missing,
     1 / share (exact for compute-bound steps, pessimistic for memory-bound decode steps)."""
+    tp_size: int = 1
+    """GPUs (TP ranks) of the worker these costs are of."""
+    by_tp: Mapping[int, Profile] = field(default_factory=dict)
+    """The top level's costs of a worker of each larger TP size profiled (each with tp_size set, by_tp empty)."""
+
+    @property
+    def tp_sizes(self) -> tuple[int, ...]:
+        """TP sizes whose costs this profile has, ascending."""
+        return tuple(sorted({self.tp_size, *self.by_tp}))
+
+    def at_tp(self, tp_size: int) -> Profile:
+        """The costs of a worker of tp_size GPUs; ValueError when that size was not profiled."""
+        if tp_size == self.tp_size:
+            return self
+        if tp_size not in self.by_tp:
+            raise ValueError(
+                f"the profile has no costs at TP {tp_size} (it has TP {', '.join(map(str, self.tp_sizes))}): "
+                f"scripts/profile_layout.py --tp {tp_size} --out PROFILE adds them"
+            )
+        return self.by_tp[tp_size]
 
     def prefill_time(self, tokens: float) -> float:
         """ms of a prefill step of `tokens` tokens (whole prompts, or chunks of them)."""
@@ -92,10 +117,12 @@ class Profile:
         return self.handoff_fixed_ms + self.handoff_ms_per_token * prompt_len
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Profile:
-        """Parse the profile document; ValueError on a bad version or a decode grid with holes."""
+    def from_json(cls, data: Mapping[str, Any], tp_size: int = 1) -> Profile:
+        """Parse the profile document (its "tp" section too); ValueError on a bad version or a decode grid with
+        holes."""
         if data.get("version") != PROFILE_VERSION:
             raise ValueError(f"profile version {data.get('version')!r}: this planner reads {PROFILE_VERSION}")
+        by_tp = {int(size): cls.from_json(doc, int(size)) for size, doc in tp_documents(data).items()}
         pre = sorted((int(p["tokens"]), float(p["ms"])) for p in data["prefill"]["points"])
         grid = {(int(p["batch"]), int(p["context"])): float(p["ms"]) for p in data["decode"]["points"]}
         batches, contexts = sorted({b for b, _ in grid}), sorted({c for _, c in grid})
@@ -114,6 +141,7 @@ class Profile:
             model=dict(data.get("model", {})),
             mps_slowdown={role: {int(k): float(v) for k, v in by.items()}
                           for role, by in data.get("mps_slowdown", {}).items()},
+            tp_size=tp_size, by_tp=by_tp,
         )  # fmt: skip
 
     @classmethod
@@ -136,7 +164,12 @@ class Profile:
             "kv_capacity_tokens": self.kv_capacity_tokens,
             "handoff": {"fixed_ms": self.handoff_fixed_ms, "ms_per_token": self.handoff_ms_per_token},
             "mps_slowdown": {role: {str(k): v for k, v in by.items()} for role, by in self.mps_slowdown.items()},
-        }  # fmt: skip
+        } | self._tp_json()  # fmt: skip
+
+    def _tp_json(self) -> dict[str, Any]:
+        if not self.by_tp:
+            return {}
+        return {"tp": {str(n): {k: p.to_json()[k] for k in TP_SECTION_KEYS} for n, p in sorted(self.by_tp.items())}}
 
     def prefill_tokens_per_s(self) -> float:
         """Prompt tokens a second of full-budget steps (the prefill side's ceiling)."""
@@ -145,3 +178,15 @@ class Profile:
     def decode_tokens_per_s(self, batch: int, context: float) -> float:
         """Output tokens a second at this batch and context (the decode side's ceiling there)."""
         return batch / max(self.decode_time(batch, context), 1e-9) * 1e3
+
+
+def tp_documents(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each "tp" section entry as a whole profile document: the top level with the entry's costs in place;
+    ValueError on a TP size below 2 or an entry without prefill or decode points."""
+    top = {k: v for k, v in data.items() if k not in (*TP_SECTION_KEYS, "tp")}
+    out = {}
+    for size, section in data.get("tp", {}).items():
+        if int(size) < 2 or not {"prefill", "decode"} <= section.keys():
+            raise ValueError(f'profile "tp" entry {size!r}: want a TP size > 1 with its own prefill and decode')
+        out[size] = top | {k: section[k] for k in TP_SECTION_KEYS if k in section}
+    return out

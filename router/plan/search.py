@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pdserve.router.benchmark.lengths import LengthSampler
-from pdserve.router.plan.layouts import Layout
+from pdserve.router.plan.layouts import Layout, WorkerSlot
 from pdserve.router.plan.simulate import SimConfig, SimRequest, StepCost, make_requests, simulate
 
 SLO_KINDS = ("ttft", "tpot", "itl_p99", "e2el")
@@ -122,14 +122,19 @@ class LayoutResult(NamedTuple):
 
 
 def capacity_guess(layout: Layout, cost: StepCost, trace: Trace, plan: PlanConfig) -> float:
-    """An upper bound of the layout's rate (req/s): the lesser of its prefill and decode ceilings."""
-    profile = cost.profile
+    """An upper bound of the layout's rate (req/s): the lesser of its prefill and decode ceilings (each worker's at
+    its TP size, times its SM share)."""
     mean_in, mean_out = float(trace.prompt_lens.mean()), float(trace.output_lens.mean())
-    prefill_gpus = sum(w.sm_share for w in layout.prefill) or sum(w.sm_share for w in layout.decode)
-    decode_gpus = sum(w.sm_share for w in layout.decode)
-    prefill = prefill_gpus * profile.prefill_tokens_per_s() / mean_in
-    decode = decode_gpus * profile.decode_tokens_per_s(plan.sim.max_num_seqs, mean_in + mean_out / 2) / mean_out
-    return min(prefill, decode)
+    context = mean_in + mean_out / 2
+
+    def rate(w: WorkerSlot, role: str) -> float:
+        profile = cost.at_tp(w.tp_size).profile
+        if role == "prefill":
+            return w.sm_share * profile.prefill_tokens_per_s() / mean_in
+        return w.sm_share * profile.decode_tokens_per_s(plan.sim.max_num_seqs, context) / mean_out
+
+    prefill = sum(rate(w, "prefill") for w in layout.prefill or layout.decode)
+    return min(prefill, sum(rate(w, "decode") for w in layout.decode))
 
 
 def find_goodput(

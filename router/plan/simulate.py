@@ -1,5 +1,7 @@
 """A discrete-event simulation of one layout serving Poisson arrivals, step by step, with step times from the
 profile (pdserve's engine runs one forward pass per step; this replays its scheduling on the profiled costs).
+Every worker's step times, step budget and KV capacity are the profile's at its TP size (Profile.at_tp); the
+handoff's are the top level's, whatever the TP sizes on either side.
 
 - Prefill worker: FCFS; each step takes up to `budget` prompt tokens from the queue's head (a long prompt spans
   steps) and lasts prefill_time(tokens) plus the chunk's share of the prompt's surcharge (profile.py), times its
@@ -26,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.router.plan.layouts import Layout
+from pdserve.router.plan.layouts import Layout, WorkerSlot
 from pdserve.router.plan.profile import Profile
 
 CONTEXT_BUCKET = 64
@@ -70,6 +72,13 @@ class StepCost:
         self.profile = profile
         self._decode: dict[tuple[int, int], float] = {}
         self._prefill: dict[int, float] = {}
+        self._by_tp: dict[int, StepCost] = {profile.tp_size: self}
+
+    def at_tp(self, tp_size: int) -> StepCost:
+        """The step times of a worker of tp_size GPUs (ValueError when the profile has none)."""
+        if tp_size not in self._by_tp:
+            self._by_tp[tp_size] = StepCost(self.profile.at_tp(tp_size))
+        return self._by_tp[tp_size]
 
     def prefill(self, tokens: int) -> float:
         if tokens not in self._prefill:
@@ -97,10 +106,10 @@ class StepCost:
 
 
 class PrefillWorker:
-    """FCFS token-budget steps; calls on_first_token(req) at the end of a prompt's last step."""
+    """FCFS steps of the profile's token budget; calls on_first_token(req) at the end of a prompt's last step."""
 
-    def __init__(self, cost: StepCost, share: float, budget: int, on_first_token: Callable[[SimRequest], None]):
-        self.cost, self.budget, self.on_first_token = cost, budget, on_first_token
+    def __init__(self, cost: StepCost, share: float, on_first_token: Callable[[SimRequest], None]):
+        self.cost, self.budget, self.on_first_token = cost, cost.profile.prefill_budget, on_first_token
         self.slow = cost.profile.slowdown("prefill", share)
         self.queue: deque[list[Any]] = deque()  # [request, prompt tokens still to run]
         self.queued_tokens = 0
@@ -259,8 +268,10 @@ def sys_maxsize() -> int:
     return 1 << 62
 
 
-def kv_tokens(profile: Profile, share: float) -> int | None:
-    return None if profile.kv_capacity_tokens is None else int(profile.kv_capacity_tokens * share)
+def kv_tokens(cost: StepCost, slot: WorkerSlot) -> int | None:
+    """KV tokens the worker in slot holds: its TP size's capacity times its share of it."""
+    capacity = cost.at_tp(slot.tp_size).profile.kv_capacity_tokens
+    return None if capacity is None else int(capacity * slot.kv_share)
 
 
 @dataclass(frozen=True)
@@ -292,7 +303,7 @@ def simulate(layout: Layout, cost: StepCost, requests: list[SimRequest], sim: Si
     if layout.kind == "colocated":
         assert layout.chunk is not None
         workers = [
-            ColocatedWorker(cost, s.sm_share, layout.chunk, sim.max_num_seqs, profile.kv_capacity_tokens)
+            ColocatedWorker(cost.at_tp(s.tp_size), s.sm_share, layout.chunk, sim.max_num_seqs, kv_tokens(cost, s))
             for s in layout.decode
         ]
         _feed(workers, arrivals, lambda w: w.load)
@@ -305,8 +316,10 @@ def simulate(layout: Layout, cost: StepCost, requests: list[SimRequest], sim: Si
         else:
             req.done = req.first_token
 
-    prefill = [PrefillWorker(cost, s.sm_share, profile.prefill_budget, first_token) for s in layout.prefill]
+    prefill = [PrefillWorker(cost.at_tp(s.tp_size), s.sm_share, first_token) for s in layout.prefill]
     _feed(prefill, arrivals, lambda w: w.queued_tokens * w.slow)
-    decode = [DecodeWorker(cost, s.sm_share, sim.max_num_seqs, kv_tokens(profile, s.kv_share)) for s in layout.decode]
+    decode = [
+        DecodeWorker(cost.at_tp(s.tp_size), s.sm_share, sim.max_num_seqs, kv_tokens(cost, s)) for s in layout.decode
+    ]
     _feed(decode, sorted(handed, key=lambda e: e[0]), lambda w: w.load)
     return requests

@@ -1,5 +1,6 @@
 """scripts/profile_layout.py --smoke: the engine's prefill and decode grid on CPU with a tiny shape, written as a
-profile the planner reads and plans from (no timing claims)."""
+profile the planner reads and plans from (no timing claims); at --tp 2 (two gloo ranks), added to the profile's
+"tp" section, whose TP layouts the planner then compares."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from pdserve.router.plan import cli as plan_cli
 from pdserve.router.plan.profile import Profile
 from tests.child_env import ROOT, child_env
+from tests.unit.test_plan_model import profile_doc
 
 
 def test_smoke_profile_is_read_and_planned_from(tmp_path: Path) -> None:
@@ -29,3 +31,37 @@ def test_smoke_profile_is_read_and_planned_from(tmp_path: Path) -> None:
     plan = plan_cli.plan(plan_cli.build_parser().parse_args(argv))
     assert plan["num_gpus"] == 2 and len(plan["layouts"]) == 5 and plan["recommended"] is not None
     assert plan["workload"]["max_model_len"] == 512
+
+
+def test_smoke_profile_at_tp_2_adds_a_tp_section_the_planner_compares(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    script = [sys.executable, str(ROOT / "scripts" / "profile_layout.py"), "--smoke", "--out", str(out)]
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*script, *extra], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+
+    refused = run("--tp", "2")
+    assert refused.returncode == 2 and "profile TP 1 into" in refused.stderr and not out.exists()
+    one = profile_doc(0.1, 1.0, 1.0, 0.1) | {"gpu": "cpu", "model": {"shape": "llama-8b", "smoke": True}}
+    out.write_text(json.dumps(one))  # NOTE: stands for `--smoke` at TP 1 (the test above runs that)
+    proc = run("--tp", "2")  # NOTE: two gloo ranks on CPU
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert {k: v for k, v in doc.items() if k != "tp"} == one and list(doc["tp"]) == ["2"]
+    assert "--tp 2" in doc["tp"]["2"]["command"]
+    profile = Profile.read(out)
+    tp2 = profile.at_tp(2)
+    assert profile.tp_sizes == (1, 2) and tp2.prefill_tokens == (16, 64, 128) and tp2.prefill_budget == 64
+    assert tp2.decode_batches == (1, 4) and tp2.decode_contexts == (32, 128) and tp2.kv_capacity_tokens == 255 * 16
+    assert all(ms > 0 for ms in tp2.prefill_ms) and all(ms > 0 for row in tp2.decode_ms for ms in row)
+    argv = ["--profile", str(out), "--workload", "chat", "--slo", "ttft:60000,tpot:10000", "--num-requests", "60"]
+    plan = plan_cli.plan(plan_cli.build_parser().parse_args(argv))
+    names = [row["layout"] for row in plan["layouts"]]
+    assert plan["num_gpus"] == 3 and names[-2:] == ["1P:1D(tp2)", "1P(tp2):1D"]
+    plan = plan_cli.plan(plan_cli.build_parser().parse_args([*argv, "--gpus", "2"]))
+    assert [row["layout"] for row in plan["layouts"]][5:] == [
+        "colocated-tp2-c512",
+        "colocated-tp2-c2048",
+        "1P(tp2):1D(tp2)-shared",
+    ]
