@@ -96,10 +96,28 @@ def prefill_ms(engine: Engine, n: int, repeats: int) -> dict[str, Any]:
     return {"tokens": n, "ms": round(statistics.median(times), 4), **stats("ttft", times)}
 
 
+def output_budget(batch: int, context: int, steps: int, budget: int) -> int:
+    """max_tokens of a decode point's requests: more than they generate. The first of a batch decode while the
+    others prefill (a prompt per pass at least, budget tokens a pass), then 2 warm-up and `steps` timed steps."""
+    return -(-batch * context // budget) + batch + steps + 8
+
+
+def longest_context(max_model_len: int, grid: Grid) -> int:
+    """The longest context whose requests, at the grid's largest batch, fit the model's context with their
+    output budget."""
+    batch = max(grid.batches)
+    context = (max_model_len - batch - grid.steps - 9) * grid.budget // (grid.budget + batch)
+    while context + output_budget(batch, context, grid.steps, grid.budget) > max_model_len:
+        context -= 1
+    return context
+
+
 def decode_ms(engine: Engine, batch: int, context: int, steps: int) -> dict[str, Any]:
-    """engine.step() times while `batch` sequences of `context` prompt tokens decode (after 2 warm-up steps)."""
+    """engine.step() times while `batch` sequences of `context` prompt tokens decode (after 2 warm-up steps);
+    RuntimeError if any of them finished before the timed steps ended (the step would not be of `batch`)."""
     device = engine.runner.device
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    budget = engine.config.scheduler.max_num_batched_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=output_budget(batch, context, steps, budget), ignore_eos=True)
     ids = [f"d{batch}-{context}-{k}" for k in range(batch)]
     for k, rid in enumerate(ids):
         engine.add_request(rid, prompt(engine, context, k), params)
@@ -115,6 +133,8 @@ def decode_ms(engine: Engine, batch: int, context: int, steps: int) -> dict[str,
         engine.step()
         sync(device)
         times.append((time.perf_counter() - start) * 1e3)
+    if len(engine.scheduler.running) != batch:
+        raise RuntimeError(f"{len(engine.scheduler.running)} of {batch} sequences still decode after the timed steps")
     graph = (
         replay_ms(engine, batch)
         if engine.runner.graphs is not None and batch <= engine.runner.graphs.max_size
@@ -141,7 +161,8 @@ def extrapolated(rows: dict[int, dict[str, Any]], batch: int, context: int) -> d
 
 def decode_grid(engine: Engine, grid: Grid, capacity: int) -> list[dict[str, Any]]:
     points = []
-    for context in grid.contexts:
+    longest = longest_context(engine.config.model.max_model_len, grid)
+    for context in sorted({min(c, longest) for c in grid.contexts}):
         rows: dict[int, dict[str, Any]] = {}
         for batch in grid.batches:
             if fits(capacity, batch, context, grid.steps) or len(rows) < 2:
@@ -157,7 +178,8 @@ def measure(engine: Engine, grid: Grid) -> dict[str, Any]:
     """The worker's costs as a profile holds them: prefill points, decode grid, KV tokens of its pool."""
     capacity = (engine.pool.num_blocks - 1) * engine.config.cache.block_size
     prefill = []
-    for n in grid.prompt_lens:
+    longest = engine.config.model.max_model_len - 1  # NOTE: a prompt of the whole context leaves no token to generate
+    for n in sorted({min(n, longest) for n in grid.prompt_lens}):
         prefill.append(prefill_ms(engine, n, grid.repeats))
         print(f"prefill {n} tokens: {prefill[-1]['ms']:.3f} ms", flush=True)
     decode = decode_grid(engine, grid, capacity)
