@@ -4,10 +4,10 @@ per length, and its decode step time per batch size and context, plus the KV tok
 profiles a worker of N GPUs (one process per rank, rank r on GPU r) and adds it to the "tp" section of the
 TP-1 profile already at --out (same shape, same GPU), so profile TP 1 first.
 
-    python scripts/profile_layout.py --shape llama-8b --gpus 2 --out bench/results/profile-llama-8b.json
-    python scripts/profile_layout.py --shape llama-8b --tp 2 --out bench/results/profile-llama-8b.json
+    python scripts/profile_layout.py --shape llama-8b --gpus 2 --out bench/out/profile-llama-8b.json
+    python scripts/profile_layout.py --shape llama-8b --tp 2 --out bench/out/profile-llama-8b.json
     python scripts/profile_layout.py --smoke [--tp 2] --out /tmp/profile.json  # tiny shape on CPU (gloo): no timings
-    pdserve-plan --profile bench/results/profile-llama-8b.json --workload long-input --slo ttft:1000,tpot:15
+    pdserve-plan --profile bench/out/profile-llama-8b.json --workload long-input --slo ttft:1000,tpot:15
 
 The engine is built as a worker builds it (dummy weights, the pool sized from free memory), prefill with the
 prefill worker's step budget (--max-num-batched-tokens). A decode grid point whose sequences do not fit the pool
