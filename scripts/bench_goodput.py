@@ -1,0 +1,655 @@
+#!/usr/bin/env python3
+"""The goodput table (issues 37, 39): for each workload and SLO, the measured goodput per GPU of every layout the
+planner compares on N GPUs, beside the planner's prediction, its error and its choice, and the ratio of the best
+disaggregated layout to the best colocated. Filled over as many calls as it takes (each at most --deadline-s):
+
+    python scripts/bench_goodput.py --profile P.json --gpus 2 --out bench/out/goodput-2gpu        # each call
+    python scripts/bench_goodput.py --profile P.json --gpus 2 --out bench/out/goodput-2gpu --report
+    python scripts/bench_goodput.py --smoke --profile /tmp/profile.json --out /tmp/goodput-smoke    # CPU
+
+Per layout: one cluster start (pdserve-cluster with the planner's Layout.cluster_flags, dummy weights), a warm-up
+load, then per workload one goodput sweep (pdserve-bench-serving --save-detailed, one invocation per rate), rescored
+under every SLO (router/benchmark/rescore.py). A (layout, workload) pair is done when its summary
+sweeps/LAYOUT/WORKLOAD.json says so: a later call skips it, and measures no rate whose JSON is there. A pair
+whose planned rates do not fit before the deadline is left for a later call.
+
+Rates: from 0.7x the lowest to 1.3x the highest knee the planner predicts for the layout and workload under the
+SLOs (whole-layout req/s; SLOs it predicts no knee for left out), geometrically spaced at most 1.6x apart, 3 to 5
+of them (Setup.num_rates), rounded to 3 significant digits; the lowest sends at least Setup.min_window_requests in
+the window. Where the planner predicts no knee for the layout, the best layout's knee stands in. After they are
+measured, while the highest rate still meets some SLO (at 90% attainment) one rate 1.6x above it is added, else
+while the lowest misses an SLO the planner predicts a knee for, one 1.6x below it; at most Setup.max_extra_rates.
+
+KV pools: each worker sizes its own from free memory, as profile_layout.py's engine did; in a layout with a shared
+GPU every worker gets a fixed pool of the planner's KV capacity for the decode worker there (half the profile's):
+two workers sizing theirs from free memory at once can run the GPU out of memory.
+
+Writes --out/run.json (settings, every call's command), plans/ (the planner's JSON per workload and SLO),
+sweeps/LAYOUT/ (per workload: each rate's detailed JSON, the summary, one rescored summary per SLO; logs),
+table.json and table.md. Every file names the GPU and the commands that made it. Past --deadline-s the run stops
+its cluster, writes the table from what there is and exits 1; it exits 1 whenever the table is incomplete.
+
+NOTE: NVLink multicast stays off in everything started here (bench_tp_serving.MULTICAST_OFF).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from bench_serving_suite import WARMUP, gpu_name
+from bench_tp_serving import (
+    MULTICAST_OFF,
+    SMOKE_WARMUP,
+    Cluster,
+    Deadline,
+    DeadlineExceeded,
+    PartFailed,
+    host_gpus,
+    run_load,
+    write_json,
+)
+
+from pdserve.router.benchmark.rescore import rescore
+from pdserve.router.benchmark.sweep import DEFAULT_TARGET, summary
+from pdserve.router.benchmark.sweep_run import rate_path
+from pdserve.router.plan import cli as plan_cli
+from pdserve.router.plan.layouts import Layout, layouts_for
+from pdserve.router.plan.profile import Profile
+
+DEFAULT_SLOS = ("ttft:2000,tpot:50", "ttft:1500,tpot:25", "ttft:1000,tpot:15")
+WORKLOADS = ("chat", "long-input", "long-context")
+SMOKE_LAYOUTS = ("colocated-c512", "1P:1D")
+RATE_SPAN = (0.7, 1.3)
+"""The rates run from this multiple of the lowest predicted knee to this multiple of the highest."""
+RATE_STEP = 1.6
+"""Largest ratio of two neighbouring rates, and of an added rate to the one it extends."""
+RATE_KEYS = ("request_rate", "num_requests", "num_good", "slo_attainment", "slo_attainment_by_kind", "goodput",
+             "goodput_per_gpu", "request_throughput_per_gpu", "metrics")  # fmt: skip
+"""A rate's figures (sweep.rate_result) in its JSON, beside its config, tags and records."""
+RATE_OVERHEAD_S = 15.0
+"""Seconds a rate takes beyond warm-up + window (+ drain, at most): the client's start, the cool-down, requests
+finishing after the window."""
+BLOCK_SIZE = 16
+"""pdserve-cluster's KV block size (its default)."""
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where the clusters run and how long each rate is measured: the GPU table or --smoke's CPU run."""
+
+    device: str
+    """cuda or cpu."""
+    dtype: str
+    """Weights and activations."""
+    tiny: bool
+    """Llama-3-8B's shape cut to bench_moe.TINY's sizes (--smoke), else the whole shape."""
+    num_blocks: int | None
+    """KV blocks of every worker; None: as the module docstring says."""
+    max_num_seqs: int
+    """Sequences a worker runs at once, in the clusters and the planner."""
+    warmup_load: tuple[str, ...]
+    """pdserve-bench-serving arguments of the load run once per cluster start (first shapes compile kernels)."""
+    client_processes: int
+    """pdserve-bench-serving --client-processes."""
+    start_timeout_s: float
+    """How long a cluster may take to become ready."""
+    start_estimate_s: float
+    """What a cluster start and its warm-up load take: a layout is not started with less time left."""
+    warmup_s: float
+    duration_s: float
+    drain_s: float
+    """Each rate's --warmup, --duration and --drain-timeout."""
+    num_rates: tuple[int, int]
+    """Fewest and most rates planned per pair."""
+    max_extra_rates: int
+    """Rates added per pair where the planned ones do not bracket a knee."""
+    min_window_requests: int
+    """The lowest rate sends at least this many requests in the window."""
+
+    @property
+    def rate_s(self) -> float:
+        """What a rate takes, as planned (a rate is not started with less than its drain more left)."""
+        return self.warmup_s + self.duration_s + RATE_OVERHEAD_S
+
+    @property
+    def min_rate(self) -> float:
+        return self.min_window_requests / self.duration_s
+
+
+GPU = Setup("cuda", "bfloat16", False, None, 128, tuple(WARMUP), 4, 300.0, 120.0, 10.0, 20.0, 30.0, (3, 5), 2, 20)
+SMOKE = Setup("cpu", "float32", True, 256, 16, tuple(SMOKE_WARMUP), 1, 120.0, 20.0, 1.0, 3.0, 20.0, (2, 2), 0, 4)
+
+
+def slo_tag(slo: dict[str, float]) -> str:
+    """{"ttft": 2000, "tpot": 50} -> ttft2000-tpot50 (file names)."""
+    return "-".join(f"{k}{v:g}" for k, v in slo.items())
+
+
+def goodput_flags(slo: dict[str, float]) -> list[str]:
+    return [f"{k}:{v:g}" for k, v in slo.items()]
+
+
+def layout_tag(name: str) -> str:
+    """A layout name as a folder name: 1P(tp2):1D(tp2)-shared -> 1P-tp2_1D-tp2-shared."""
+    return name.replace(":", "_").replace("(", "-").replace(")", "")
+
+
+def round_rate(rate: float) -> float:
+    return float(f"{rate:.3g}")
+
+
+# --- rates ---------------------------------------------------------------------------------------------------------
+
+
+def choose_rates(knees: Sequence[float], setup: Setup) -> list[float]:
+    """The planned rates of a pair from its predicted knees (req/s, > 0), as the module docstring says."""
+    lo = max(RATE_SPAN[0] * min(knees), setup.min_rate)
+    hi = max(RATE_SPAN[1] * max(knees), lo * RATE_STEP)
+    fewest, most = setup.num_rates
+    n = min(max(math.ceil(math.log(hi / lo) / math.log(RATE_STEP)) + 1, fewest), most)
+    return [round_rate(lo * (hi / lo) ** (i / (n - 1))) for i in range(n)]
+
+
+def extra_rate(sweeps: Sequence[dict[str, Any]], knees: Sequence[float], planned: Sequence[float],
+               setup: Setup) -> float | None:  # fmt: skip
+    """The next rate where the measured ones do not bracket the knees, or None. sweeps: the pair's summary rescored
+    under each SLO ("rates" rows with "slo_attainment"); knees: the planner's knee under each (0: none)."""
+    measured = [row["request_rate"] for row in sweeps[0]["rates"]]
+    if len([r for r in measured if r not in planned]) >= setup.max_extra_rates:
+        return None
+    target = sweeps[0]["target_attainment"]
+    if any(s["rates"][-1]["slo_attainment"] >= target for s in sweeps):
+        return round_rate(measured[-1] * RATE_STEP)
+    missed = any(s["rates"][0]["slo_attainment"] < target for s, k in zip(sweeps, knees, strict=True) if k > 0)
+    if missed and measured[0] / RATE_STEP >= setup.min_rate:
+        return round_rate(measured[0] / RATE_STEP)
+    return None
+
+
+# --- the planner -----------------------------------------------------------------------------------------------------
+
+
+def plan_argv(profile: str, workload: str, slo: dict[str, float], gpus: int, setup: Setup) -> list[str]:
+    slo_text = ",".join(goodput_flags(slo))
+    return ["--profile", profile, "--workload", workload, "--slo", slo_text, "--gpus", str(gpus),
+            "--max-num-seqs", str(setup.max_num_seqs), "--json"]  # fmt: skip
+
+
+def load_plan(out: Path, argv: list[str], header: dict[str, Any]) -> dict[str, Any]:
+    """pdserve-plan's JSON for argv, cached in out/plans (the planner is seeded: a later call gets the same)."""
+    workload, slo = argv[argv.index("--workload") + 1], argv[argv.index("--slo") + 1]
+    path = out / "plans" / f"{workload}.{slo.replace(':', '').replace(',', '-')}.json"
+    if path.exists():
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+    doc = plan_cli.plan(plan_cli.build_parser().parse_args(argv))
+    doc |= {"gpu": header["gpu"], "command": shlex.join(["pdserve-plan", *argv])}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, doc)
+    return doc
+
+
+def predicted(plan: dict[str, Any], layout: str) -> dict[str, Any]:
+    return next(row for row in plan["layouts"] if row["layout"] == layout)  # type: ignore[no-any-return]
+
+
+def predicted_knees(plans: dict[str, dict[str, Any]], layout: str) -> list[float]:
+    """The layout's predicted knee (req/s) under each SLO, from the plans of one workload by SLO tag."""
+    return [predicted(plan, layout)["goodput"] for plan in plans.values()]
+
+
+def pair_rates(plans: dict[str, dict[str, Any]], layout: str, setup: Setup) -> list[float]:
+    """choose_rates of the layout's predicted knees; where it has none, of the best layout's; where no layout has
+    one, from the lowest rate."""
+    knees = [k for k in predicted_knees(plans, layout) if k > 0]
+    best = max(row["goodput"] for plan in plans.values() for row in plan["layouts"])
+    return choose_rates(knees or [best or setup.min_rate / RATE_SPAN[0]], setup)
+
+
+# --- files of a pair -------------------------------------------------------------------------------------------------
+
+
+def pair_dir(out: Path, layout: str) -> Path:
+    return out / "sweeps" / layout_tag(layout)
+
+
+def summary_path(out: Path, layout: str, workload: str) -> Path:
+    return pair_dir(out, layout) / f"{workload}.json"
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return None
+
+
+def pair_done(out: Path, layout: str, workload: str) -> bool:
+    doc = read_json(summary_path(out, layout, workload)) or {}
+    return bool(doc.get("bench_goodput", {}).get("complete"))
+
+
+def layout_error(out: Path, layout: str) -> str | None:
+    return (read_json(pair_dir(out, layout) / "error.json") or {}).get("error")
+
+
+def remaining_pairs(out: Path, layouts: Sequence[str], workloads: Sequence[str]) -> list[tuple[str, str]]:
+    """(layout, workload) pairs not done, in table order, those of layouts that failed to run last."""
+    pairs = [(layout, w) for layout in layouts for w in workloads if not pair_done(out, layout, w)]
+    return sorted(pairs, key=lambda pair: layout_error(out, pair[0]) is not None)
+
+
+def measured_rates(out: Path, layout: str, workload: str) -> dict[float, Path]:
+    """The rates whose detailed JSON is in the pair's folder."""
+    found = {}
+    for path in pair_dir(out, layout).glob(f"{workload}.rate-*.json"):
+        doc = read_json(path)
+        if doc is not None and "requests" in doc:
+            found[float(doc["request_rate"])] = path
+    return found
+
+
+def merge_rates(out: Path, layout: Layout, workload: str, slo: dict[str, float]) -> dict[str, Any]:
+    """The pair's summary (sweep_run.sweep_report's shape) from its rates' JSONs, scored under slo."""
+    docs = [json.loads(p.read_text()) for _, p in sorted(measured_rates(out, layout.name, workload).items())]
+    runs = [{k: d[k] for k in RATE_KEYS} for d in docs]
+    sweep = summary(runs, slo, layout.num_gpus, layout.name, DEFAULT_TARGET)
+    return {"config": docs[0]["config"], "sweep": sweep, "runs": runs}
+
+
+# --- measuring -------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every layout's run shares."""
+
+    setup: Setup
+    out: Path
+    profile: Profile
+    model_dir: Path
+    scratch: Path
+    deadline: Deadline
+    slos: dict[str, dict[str, float]]
+    """SLOs by tag, in table order."""
+    plans: dict[str, dict[str, dict[str, Any]]]
+    """The planner's JSON by workload, then SLO tag."""
+    header: dict[str, Any]
+    """GPU, date, this call's command."""
+
+
+def shared_pool_blocks(profile: Profile, layout: Layout) -> int | None:
+    """KV blocks of every worker of a layout with a shared GPU: the planner's pool of the decode worker there (its
+    kv_share of the profile's capacity at its TP size); None for any other layout or without a capacity."""
+    capacity = profile.at_tp(layout.decode_tp).kv_capacity_tokens
+    if layout.mps_split is None or capacity is None:
+        return None
+    return int(capacity * layout.decode[0].kv_share) // BLOCK_SIZE
+
+
+def cluster_argv(ctx: Context, layout: Layout, run_dir: Path) -> list[str]:
+    setup = ctx.setup
+    argv = [sys.executable, "-m", "pdserve.router.cluster_cli", "--model", str(ctx.model_dir), "--run-dir"]
+    argv += [str(run_dir), "--port", "0", "--device", setup.device, "--dtype", setup.dtype, "--load-format", "dummy"]
+    argv += ["--metrics-port", "0", *layout.cluster_flags(setup.max_num_seqs)]
+    blocks = setup.num_blocks or shared_pool_blocks(ctx.profile, layout)
+    return argv + (["--num-blocks", str(blocks)] if blocks else [])
+
+
+def has_time(ctx: Context, seconds: float, what: str) -> bool:
+    """Whether `seconds` are left before the deadline (if not, says so)."""
+    if ctx.deadline.end - time.monotonic() >= seconds:
+        return True
+    print(f"== {what} needs {seconds:.0f} s: left for a later call", flush=True)
+    return False
+
+
+def require_time(ctx: Context, seconds: float, what: str) -> None:
+    """DeadlineExceeded unless `seconds` are left before the deadline."""
+    if not has_time(ctx, seconds, what):
+        raise DeadlineExceeded(f"{what} not started")
+
+
+def run_layout(ctx: Context, layout: Layout, workloads: list[str]) -> None:
+    """Start the layout's cluster, measure each workload's pair, stop it; error.json when it could not run."""
+    setup = ctx.setup
+    require_time(ctx, setup.start_estimate_s + setup.rate_s + setup.drain_s, f"{layout.name}'s cluster")
+    folder = pair_dir(ctx.out, layout.name)
+    (folder / "logs").mkdir(parents=True, exist_ok=True)
+    run_dir = ctx.scratch / layout_tag(layout.name)
+    argv = cluster_argv(ctx, layout, run_dir)
+    print(f"== {layout.name}: {shlex.join(argv)}", flush=True)
+    cluster = Cluster(argv, run_dir, folder / "logs" / "cluster.log")
+    try:
+        address = cluster.wait_ready(ctx.deadline, setup.start_timeout_s)
+        warmup = run_load(address, "warmup", list(setup.warmup_load), folder / "logs", 600.0, ctx.deadline)
+        write_json(folder / "logs" / "warmup.json", warmup.report | {"gpu": ctx.header["gpu"]})
+        commands = [shlex.join(argv), warmup.command]
+        for workload in workloads:
+            measure_pair(ctx, layout, workload, address, commands)
+        (folder / "error.json").unlink(missing_ok=True)
+    except DeadlineExceeded:
+        raise
+    except PartFailed as exc:
+        error = {"error": f"{type(exc).__name__}: {exc}", "cluster": shlex.join(argv), "log_tails": cluster.log_tails()}
+        write_json(folder / "error.json", {**ctx.header, **error})
+        print(f"== {layout.name} failed: {exc}", flush=True)
+    finally:
+        cluster.stop()
+
+
+def measure_pair(ctx: Context, layout: Layout, workload: str, address: str, commands: list[str]) -> None:
+    """The pair's planned rates (none unless all fit before the deadline), then the extra ones (extra_rate), each
+    rescored; its summary marked complete."""
+    plans, setup, out = ctx.plans[workload], ctx.setup, ctx.out
+    planned, knees = pair_rates(plans, layout.name, setup), predicted_knees(plans, layout.name)
+    loosest = list(ctx.slos)[knees.index(max(knees))]
+    todo = [rate for rate in planned if rate not in measured_rates(out, layout.name, workload)]
+    if not has_time(ctx, len(todo) * setup.rate_s + setup.drain_s, f"{layout.name} {workload} ({len(todo)} rates)"):
+        return
+    earlier = (read_json(summary_path(out, layout.name, workload)) or {}).get("bench_goodput", {})
+    cluster, commands = commands[0], [*earlier.get("commands", []), *commands]
+
+    def measure(rate: float) -> None:
+        commands.append(measure_rate(ctx, layout, workload, rate, ctx.slos[loosest], address, cluster))
+
+    for rate in todo:
+        measure(rate)
+    while True:
+        rescored = rescore_pair(ctx, layout, workload, loosest, commands)
+        nxt = extra_rate([doc["sweep"] for doc in rescored.values()], knees, planned, setup)
+        if nxt is None:
+            break
+        measure(nxt)
+    doc = json.loads(summary_path(out, layout.name, workload).read_text())
+    doc["bench_goodput"] |= {"complete": True, "planned_rates": planned}
+    write_json(summary_path(out, layout.name, workload), doc)
+
+
+def measure_rate(
+    ctx: Context, layout: Layout, workload: str, rate: float, slo: dict[str, float], address: str, cluster: str
+) -> str:
+    """One pdserve-bench-serving rate into the pair's folder (its JSON names the GPU and the cluster); its command."""
+    setup, folder = ctx.setup, pair_dir(ctx.out, layout.name)
+    require_time(ctx, setup.rate_s + setup.drain_s, f"{layout.name} {workload} at {rate:g} req/s")
+    args = ["--dataset", workload, "--request-rate", f"{rate:g}", "--warmup", f"{setup.warmup_s:g}"]
+    args += ["--duration", f"{setup.duration_s:g}", "--drain-timeout", f"{setup.drain_s:g}", "--save-detailed"]
+    args += ["--goodput", *goodput_flags(slo), "--num-gpus", str(layout.num_gpus), "--layout", layout.name]
+    args += ["--client-processes", str(setup.client_processes)]
+    load = run_load(address, workload, args, folder, setup.rate_s + setup.drain_s + 60.0, ctx.deadline)
+    path = rate_path(summary_path(ctx.out, layout.name, workload), rate)
+    doc = read_json(path)
+    if doc is None or "requests" not in doc:
+        raise PartFailed(f"{layout.name} {workload} at {rate:g} req/s: exit {load.exit_code}, no result")
+    write_json(path, doc | {"gpu": ctx.header["gpu"], "cluster_command": cluster})
+    return load.command
+
+
+def rescore_pair(ctx: Context, layout: Layout, workload: str, loosest: str, commands: list[str]) -> dict[str, Any]:
+    """The pair's summary (scored under the loosest SLO) and one rescored summary per SLO, written; the latter."""
+    path = summary_path(ctx.out, layout.name, workload)
+    header = {**ctx.header, "commands": commands, "complete": False}
+    write_json(path, merge_rates(ctx.out, layout, workload, ctx.slos[loosest]) | {"bench_goodput": header})
+    rescored = {}
+    for tag, slo in ctx.slos.items():
+        dest = path.with_name(f"{workload}.{tag}.json")
+        argv = ["python", "-m", "pdserve.router.benchmark.rescore", str(path), "--goodput", *goodput_flags(slo)]
+        command = shlex.join([*argv, "--out", str(dest)])
+        rescored[tag] = rescore(path, slo) | {"bench_goodput": {**ctx.header, "commands": [*commands, command]}}
+        write_json(dest, rescored[tag])
+    return rescored
+
+
+# --- the table -------------------------------------------------------------------------------------------------------
+
+
+def measured_cell(sweep: dict[str, Any], predicted_per_gpu: float) -> dict[str, Any]:
+    """A layout's measured goodput per GPU from its rescored sweep: the interpolated knee / GPUs where measured
+    rates lie on either side of it ("="), the highest rate where it met the SLO (">="), the lowest rate where no
+    rate did ("<"); the planner's error where bracketed."""
+    knee, rows, gpus = sweep["knee"], sweep["rates"], sweep["num_gpus"]
+    if knee["rate"] is None:
+        bound, per_gpu = "<", rows[0]["request_rate"] / gpus
+    elif knee["rate"] == rows[-1]["request_rate"]:
+        bound, per_gpu = ">=", knee["rate"] / gpus
+    else:
+        bound, per_gpu = "=", knee["interpolated"] / gpus
+    error = (predicted_per_gpu - per_gpu) / per_gpu if bound == "=" and per_gpu > 0 else None
+    return {"bound": bound, "goodput_per_gpu": per_gpu, "knee_rate": knee["rate"], "prediction_error": error,
+            "rates": [[r["request_rate"], r["slo_attainment"]] for r in rows]}  # fmt: skip
+
+
+def table_cell(out: Path, layout: Layout, workload: str, tag: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """One row of a workload x SLO table: the prediction, and the measurement or why there is none."""
+    row = {"layout": layout.name, "kind": layout.kind, "predicted_goodput_per_gpu": predicted(plan, layout.name)
+           ["goodput_per_gpu"]}  # fmt: skip
+    doc = read_json(pair_dir(out, layout.name) / f"{workload}.{tag}.json")
+    if doc is None:
+        error = layout_error(out, layout.name)
+        return row | {"status": f"failed: {error}" if error else "not run"}
+    status = "done" if pair_done(out, layout.name, workload) else "partial"
+    return row | {"status": status, "gpu": doc["bench_goodput"]["gpu"]} | measured_cell(doc["sweep"], row[
+        "predicted_goodput_per_gpu"])  # fmt: skip
+
+
+def rank(row: dict[str, Any], key: str) -> float:
+    """The row's value of key; a "<" measurement (no rate met the SLO) ranks as 0."""
+    return 0.0 if row.get("bound") == "<" else float(row[key])
+
+
+def best(rows: list[dict[str, Any]], key: str, kind: str | None = None) -> dict[str, Any] | None:
+    """The row of the highest key among those of kind that have one, or None."""
+    return max((r for r in rows if r.get(key) is not None and kind in (None, r["kind"])),
+               key=lambda r: rank(r, key), default=None)  # fmt: skip
+
+
+def ratio(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The best disaggregated and best colocated row by key, and the ratio of their values."""
+    col, dis = best(rows, key, "colocated"), best(rows, key, "disaggregated")
+    top = rank(col, key) if col else 0.0
+    return {"best_colocated": col and col["layout"], "best_disaggregated": dis and dis["layout"],
+            "ratio": rank(dis, key) / top if dis and top > 0 else None}  # fmt: skip
+
+
+def build_table(out: Path, layouts: list[Layout], ctx_plans: dict[str, dict[str, dict[str, Any]]],
+                slos: dict[str, dict[str, float]], header: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """table.json: per workload x SLO, every layout's row, the planner's choice and the two ratios."""
+    tables, commands = [], [inv["command"] for inv in (read_json(out / "run.json") or {}).get("invocations", [])]
+    for workload, plans in ctx_plans.items():
+        for tag, plan in plans.items():
+            rows = [table_cell(out, layout, workload, tag, plan) for layout in layouts]
+            chosen = plan["recommended"]
+            tables.append({
+                "workload": workload, "lengths": plan["workload"], "slo": tag, "slos_ms": slos[tag], "rows": rows,
+                "recommended": chosen,
+                "recommended_predicted_per_gpu": chosen and predicted(plan, chosen)["goodput_per_gpu"],
+                "measured_best": (best(rows, "goodput_per_gpu") or {}).get("layout"),
+                "measured": ratio(rows, "goodput_per_gpu"), "predicted": ratio(rows, "predicted_goodput_per_gpu"),
+            })  # fmt: skip
+            commands.append(plan["command"])
+            for layout in layouts:
+                doc = read_json(pair_dir(out, layout.name) / f"{workload}.{tag}.json") or {}
+                commands += doc.get("bench_goodput", {}).get("commands", [])
+    gpus = sorted({r["gpu"] for t in tables for r in t["rows"] if "gpu" in r})
+    complete = all(r["status"] == "done" for t in tables for r in t["rows"])
+    return {**header, "measured_on": gpus, "complete": complete, "tables": tables,
+            "commands": list(dict.fromkeys(commands))}  # fmt: skip
+
+
+def fmt(value: float | None, spec: str = ".3g") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def row_md(r: dict[str, Any]) -> str:
+    predicted = fmt(r["predicted_goodput_per_gpu"])
+    if "bound" not in r:
+        return f"| {r['layout']} | {r['status']} | | {predicted} | | |"
+    bound = "" if r["bound"] == "=" else r["bound"] + " "
+    rates = ", ".join(f"{rate:g}: {a:.0%}" for rate, a in r["rates"]) + ("" if r["status"] == "done" else " (partial)")
+    return (f"| {r['layout']} | {bound}{fmt(r['goodput_per_gpu'])} | {fmt(r['knee_rate'], 'g')} | {predicted} | "
+            f"{fmt(r['prediction_error'], '+.0%')} | {rates} |")  # fmt: skip
+
+
+TABLE_HEAD = ("| layout | measured req/s/GPU | highest rate met | predicted req/s/GPU | error | rate: attainment |",
+              "|---|---|---|---|---|---|")  # fmt: skip
+TABLE_NOTE = (
+    "Goodput: the rate at which 90% of requests meet every SLO, interpolated between the measured rates, per GPU "
+    "(>=: every rate measured met it; <: none did). Error: (predicted - measured) / measured."
+)
+
+
+def table_md(table: dict[str, Any]) -> str:
+    """table.md: one table per workload and SLO, then every command."""
+    settings = table["settings"]
+    lines = [f"# Goodput per GPU on {table['num_gpus']} GPUs", "",
+             f"Measured on {', '.join(table['measured_on']) or 'nothing yet'}; profile {table['profile']} "
+             f"({table['profile_gpu']}); written on {table['gpu']} {table['date']}; complete: {table['complete']}. "
+             f"Each rate: {settings['warmup_s']:g} s warm-up, {settings['duration_s']:g} s window.",
+             "", TABLE_NOTE]  # fmt: skip
+    for t in table["tables"]:
+        slos = ", ".join(f"{k} <= {v:g} ms" for k, v in t["slos_ms"].items())
+        w = t["lengths"]
+        lines += ["", f"## {t['workload']}, {slos}", "", f"Mean {w['mean_input_len']:.0f} in / "
+                  f"{w['mean_output_len']:.0f} out (prompts cut to {w['max_model_len']} tokens with their output).",
+                  "", *TABLE_HEAD, *(row_md(r) for r in t["rows"]), ""]  # fmt: skip
+        m, p = t["measured"], t["predicted"]
+        chosen = f"{t['recommended']} ({fmt(t['recommended_predicted_per_gpu'])}/GPU predicted)"
+        lines.append(f"Planner recommends {chosen if t['recommended'] else 'none: no layout meets the SLO'}; "
+                     f"measured best: {t['measured_best'] or 'not run'}.")  # fmt: skip
+        lines.append(f"Best disaggregated / best colocated: measured {m['best_disaggregated']} / "
+                     f"{m['best_colocated']} = {fmt(m['ratio'], '.2f')}; predicted {p['best_disaggregated']} / "
+                     f"{p['best_colocated']} = {fmt(p['ratio'], '.2f')}.")  # fmt: skip
+    return "\n".join([*lines, "", "## Commands", "", "```", *table["commands"], "```", ""])
+
+
+# --- the run ---------------------------------------------------------------------------------------------------------
+
+
+def write_model(setup: Setup, out: Path) -> Path:
+    """Llama-3-8B's config.json (--smoke: cut to bench_moe.TINY's sizes) with GPT-2's tokenizer: dummy weights."""
+    from bench_moe import TINY
+    from bench_moe import write_model as write_config
+
+    from pdserve.core.model_store import GPT2_VOCAB_SIZE, write_gpt2_tokenizer
+
+    overrides = dict(TINY) if setup.tiny else {}
+    write_config("llama-8b", out, overrides)
+    return write_gpt2_tokenizer(out, min(overrides.get("vocab_size", GPT2_VOCAB_SIZE), GPT2_VOCAB_SIZE))
+
+
+def record_call(out: Path, settings: dict[str, Any], header: dict[str, Any], check: bool) -> None:
+    """Append this call to out/run.json; ValueError where out holds a table of other settings (when check)."""
+    run = read_json(out / "run.json") or {"settings": settings, "invocations": []}
+    if check and run["settings"] != settings:
+        raise ValueError(f"{out} holds a table of other settings: {run['settings']} (this call: {settings})")
+    run["invocations"].append(header)
+    write_json(out / "run.json", run)
+
+
+def call_settings(args: argparse.Namespace, setup: Setup, num_gpus: int, slos: dict[str, Any]) -> dict[str, Any]:
+    """What every call filling one --out must share (run.json)."""
+    return {"profile_sha256": hashlib.sha256(Path(args.profile).read_bytes()).hexdigest(), "num_gpus": num_gpus,
+            "model": args.model or ("tiny" if setup.tiny else "llama-8b"), "device": setup.device,
+            "max_num_seqs": setup.max_num_seqs, "warmup_s": setup.warmup_s, "duration_s": setup.duration_s,
+            "drain_s": setup.drain_s, "slos": slos}  # fmt: skip
+
+
+def call_header(setup: Setup, argv: list[str]) -> dict[str, Any]:
+    """This call's GPU, date and command: the head of every file it writes."""
+    cuda = setup.device == "cuda"
+    return {"gpu": gpu_name() if cuda else "cpu", "gpus": host_gpus() if cuda else [],
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": shlex.join(["python3", "scripts/bench_goodput.py", *argv]), "env": MULTICAST_OFF}  # fmt: skip
+
+
+def run_pairs(ctx: Context, layouts: list[Layout], pairs: list[tuple[str, str]]) -> None:
+    """The pairs, one cluster per layout; stops at the deadline."""
+    by_name = {layout.name: layout for layout in layouts}
+    try:
+        for name in dict.fromkeys(name for name, _ in pairs):
+            run_layout(ctx, by_name[name], [w for layout, w in pairs if layout == name])
+    except DeadlineExceeded as exc:
+        print(f"== stopped: {exc}", flush=True)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", required=True, help="the planner's profile of this GPU (scripts/profile_layout.py)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs to lay out (default: the profile's)")
+    p.add_argument("--workloads", default=None, help=f"comma list (default {','.join(WORKLOADS)}; --smoke: chat)")
+    p.add_argument("--slos", nargs="+", default=list(DEFAULT_SLOS), metavar="KIND:MS,KIND:MS", help="SLOs")
+    p.add_argument("--layouts", default=None, help="comma list of layout names (default: every one the planner has)")
+    p.add_argument("--out", required=True, help="the table's folder: a later call with it goes on where this stops")
+    p.add_argument("--deadline-s", type=float, default=540.0, help="stop, write the table and exit 1 after this")
+    p.add_argument("--model", default=None, help="model folder (default: Llama-3-8B's shape made here)")
+    p.add_argument("--warmup", type=float, default=None, help="seconds of each rate before its window")
+    p.add_argument("--duration", type=float, default=None, help="seconds of each rate's window")
+    p.add_argument("--smoke", action="store_true", help="a tiny model on CPU, two layouts, tiny rates")
+    p.add_argument("--report", action="store_true", help="only write table.json and table.md from --out")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    deadline = Deadline(args.deadline_s)
+    os.environ.update(MULTICAST_OFF)  # NOTE: before any process (or CUDA context) exists
+    setup = SMOKE if args.smoke else GPU
+    setup = dataclasses.replace(setup, warmup_s=args.warmup or setup.warmup_s, duration_s=args.duration or
+                                setup.duration_s)  # fmt: skip
+    profile = Profile.read(args.profile)
+    num_gpus = args.gpus or profile.num_gpus
+    layouts = layouts_for(num_gpus, tp_sizes=profile.tp_sizes)
+    names = args.layouts.split(",") if args.layouts else SMOKE_LAYOUTS if args.smoke else [x.name for x in layouts]
+    if unknown := set(names) - {x.name for x in layouts}:
+        print(f"unknown layouts {sorted(unknown)}: the planner has {[x.name for x in layouts]}", file=sys.stderr)
+        return 2
+    layouts = [x for x in layouts if x.name in names]
+    workloads = (args.workloads or ("chat" if args.smoke else ",".join(WORKLOADS))).split(",")
+    slos = {slo_tag(s): s for s in map(plan_cli.parse_slo, args.slos)}
+    if setup.device == "cuda" and not args.report and len(host_gpus()) < num_gpus:
+        print(f"needs {num_gpus} GPUs, nvidia-smi lists {host_gpus()} (--smoke runs on CPU)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings, header = call_settings(args, setup, num_gpus, slos), call_header(setup, argv)
+    try:
+        record_call(out, settings, header, check=not args.report)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    plans = {w: {tag: load_plan(out, plan_argv(args.profile, w, s, num_gpus, setup), header) for tag, s in
+                 slos.items()} for w in workloads}  # fmt: skip
+    pairs = remaining_pairs(out, [layout.name for layout in layouts], workloads)
+    if pairs and not args.report:
+        scratch = Path(tempfile.mkdtemp(prefix="pdserve-goodput-"))
+        model = Path(args.model) if args.model else write_model(setup, scratch / "model")
+        ctx = Context(setup, out, profile, model, scratch, deadline, slos, plans, header)
+        try:
+            run_pairs(ctx, layouts, pairs)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    extra = {"num_gpus": num_gpus, "profile": args.profile, "profile_gpu": profile.gpu, "settings": settings}
+    table = build_table(out, layouts, plans, slos, header | extra)
+    write_json(out / "table.json", table)
+    (out / "table.md").write_text(table_md(table))
+    print(table_md(table), flush=True)
+    return 0 if table["complete"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
