@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_serving_suite import Cluster
+
 ROOT = Path(__file__).resolve().parents[1]
 AB_DIR = ROOT / ".ab"
 BRANCHES = ("ab/no-deferred-ids", "ab/no-deferred-commits", "ab/no-deferred-frees")
@@ -438,40 +440,15 @@ def serving_plan(label: str, smoke: bool) -> tuple[list[str], list[tuple[str, li
     return suite.WORKER_FLAGS, [*loads, ("exact-hit", suite.EXACT)]
 
 
-class LaneCluster:
-    """pdserve-cluster on the lane's port with metrics on free ports (bench_serving_suite.Cluster listens on one
-    fixed port, which lanes side by side would share)."""
+class LaneCluster(Cluster):
+    """bench_serving_suite's cluster on the lane's port and device, metrics on free ports (lanes side by side)."""
 
     def __init__(self, model: Path, run_dir: Path, flags: list[str], log: Path, port: int, device: str) -> None:
-        self.run_dir, self.log = run_dir, log
-        self.num_prefill = 0 if "--colocated" in flags else 1
-        argv = [sys.executable, "-m", "pdserve.router.cluster_cli", "--model", str(model), "--device", device]
-        argv += ["--port", str(port), "--metrics-port", "0", "--run-dir", str(run_dir), *flags]
-        with open(log, "w") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 240.0) -> float:
-        start = time.monotonic()
-        while time.monotonic() - start < timeout and self.proc.poll() is None:
-            if "pdserve cluster ready on" in self.log.read_text(errors="replace"):
-                return time.monotonic() - start
-            time.sleep(0.5)
-        raise RuntimeError(f"cluster not ready:\n{self.log.read_text(errors='replace')[-3000:]}")
-
-    def counters(self, worker: str) -> dict[str, int]:
-        stats = json.loads((self.run_dir / "stats" / f"{worker}.json").read_text())
-        return stats["counters"]  # type: ignore[no-any-return]
+        super().__init__(model, run_dir, ["--metrics-port", "0", *flags], log, port, device)
 
     def jit_compiles(self) -> int:
         workers = [f"prefill-{i}" for i in range(self.num_prefill)] + ["decode-0"]
         return sum(self.counters(w).get("jit_compiles_serving", 0) for w in workers)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def run_load(cluster: LaneCluster, folder: Path, name: str, load: list[str], port: int) -> dict[str, Any]:
