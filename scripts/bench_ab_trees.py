@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_serving_suite import Cluster
+from bench_serving_suite import Cluster, jit_compiles
 
 ROOT = Path(__file__).resolve().parents[1]
 AB_DIR = ROOT / ".ab"
@@ -440,18 +440,7 @@ def serving_plan(label: str, smoke: bool) -> tuple[list[str], list[tuple[str, li
     return suite.WORKER_FLAGS, [*loads, ("exact-hit", suite.EXACT)]
 
 
-class LaneCluster(Cluster):
-    """bench_serving_suite's cluster on the lane's port and device, metrics on free ports (lanes side by side)."""
-
-    def __init__(self, model: Path, run_dir: Path, flags: list[str], log: Path, port: int, device: str) -> None:
-        super().__init__(model, run_dir, ["--metrics-port", "0", *flags], log, port, device)
-
-    def jit_compiles(self) -> int:
-        workers = [f"prefill-{i}" for i in range(self.num_prefill)] + ["decode-0"]
-        return sum(self.counters(w).get("jit_compiles_serving", 0) for w in workers)
-
-
-def run_load(cluster: LaneCluster, folder: Path, name: str, load: list[str], port: int) -> dict[str, Any]:
+def run_load(cluster: Cluster, folder: Path, name: str, load: list[str], port: int) -> dict[str, Any]:
     """One pdserve-bench-serving run (its JSON report) with the decode worker's step quantiles and the kernels
     compiled while it ran added, as bench_serving_suite.run_bench does."""
     from pdserve.core.step_timer import quantile_ms
@@ -459,13 +448,13 @@ def run_load(cluster: LaneCluster, folder: Path, name: str, load: list[str], por
 
     path = folder / f"{name}.json"
     time.sleep(0.6)  # NOTE: two heartbeat intervals, so the counters cover the last steps
-    before, compiles, start = cluster.counters("decode-0"), cluster.jit_compiles(), time.time()
+    before, compiles, start = cluster.counters("decode-0"), jit_compiles(cluster), time.time()
     code = bench.main(["--address", f"127.0.0.1:{port}", "--no-progress", "--result-json", str(path), *load])
     time.sleep(0.6)
     after, report = cluster.counters("decode-0"), json.loads(path.read_text())
     steps = {f"p{int(q * 100)}": quantile_ms(before, after, q) for q in (0.5, 0.9, 0.99)}
     report |= {"exit_code": code, "seconds": round(time.time() - start, 1), "load": load,
-               "jit_compiles_serving": cluster.jit_compiles() - compiles,
+               "jit_compiles_serving": jit_compiles(cluster) - compiles,
                "worker_step_ms": {k: "inf" if v == float("inf") else v for k, v in steps.items()}}  # fmt: skip
     path.write_text(json.dumps(report, indent=1))
     print(f"== {name}: exit {code}, {report['seconds']} s, steps {steps}", flush=True)
@@ -487,7 +476,9 @@ def serving_step(args: argparse.Namespace, out: Path, label: str) -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.smoke else "cuda"
-    cluster = LaneCluster(model, run_dir, flags, out / f"cluster-{label}.log", args.port, device)
+    log = out / f"cluster-{label}.log"
+    metrics = ["--metrics-port", "0"]  # NOTE: free ports: lanes side by side
+    cluster = Cluster(model, run_dir, [*metrics, *flags], log, args.port, device)
     try:
         print(f"== cluster {label} ready in {cluster.wait_ready():.1f} s", flush=True)
         run_load(cluster, folder, f"warmup-{label}", SMOKE_WARMUP if args.smoke else suite.WARMUP, args.port)
