@@ -71,30 +71,17 @@ def _id_list(ids: TokenIds) -> list[int]:
 
 
 def _adopted_request(request_id: str, ids: TokenIds, num_prompt_tokens: int, sampling: SamplingState) -> Request:
-    """A handed-off request, running; a long one's list waits for its first pass (Request.ids_pending), all but
-    its last id (the token its first pass reads) held as an array meanwhile."""
-    if len(ids) < DEFER_ID_LIST:
-        return Request(request_id, _id_list(ids), num_prompt_tokens, sampling, status=RequestStatus.RUNNING)
-    listed = [0] * (len(ids) - 1)
-    listed.append(int(ids[-1]))
+    """A handed-off request, running: its list of ids, and all but its last id (the token its first pass reads)
+    as its array."""
     return Request(
-        request_id, listed, num_prompt_tokens, sampling, status=RequestStatus.RUNNING,
-        token_array=_int64_array(ids[:-1]), ids_pending=True,
+        request_id, _id_list(ids), num_prompt_tokens, sampling, status=RequestStatus.RUNNING,
+        token_array=_int64_array(ids[:-1]),
     )  # fmt: skip
 
 
 def _entries(logprobs: TokenLogprobs | None, batch: int) -> list[TokenLogprob | None]:
     """Per row of a sampled batch, its logprobs entry (None for every row when no row asked)."""
     return [None] * batch if logprobs is None else logprobs.entries(batch)
-
-
-def _fill_read_ids(plan: StepPlan) -> None:
-    """Before a decode pass, which reads each sequence's token at num_computed_tokens: fill the lists whose token
-    there is still a zero (a prompt left with its last token to compute after a prefix hit on the rest, say)."""
-    for chunk in plan.chunks:
-        req = chunk.req
-        if req.ids_pending and req.num_computed_tokens < len(req.token_array):
-            req.fill_ids()
 
 
 def _int64_array(ids: TokenIds) -> np.ndarray:
@@ -108,9 +95,6 @@ def _int64_array(ids: TokenIds) -> np.ndarray:
 
 PLACEHOLDER = -1
 """Stands in token_ids for a token sampled by the in-flight step until the host reads it."""
-DEFER_ID_LIST = 64
-"""Prompts and handoffs of at least this many ids get their Python list after their first pass is launched
-(Request.ids_pending); shorter ones at once (a 1-token prompt's first pass is a decode pass, which reads token_ids)."""
 
 
 class InFlightStep(NamedTuple):
@@ -154,7 +138,6 @@ class Engine:
         self.sampler = Sampler(self.runner.device)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
-        self._ids_pending: list[Request] = []  # added with ids_pending: filled by the next step, after its launch
         self._in_flight: InFlightStep | None = None
         pin = self.runner.device.type == "cuda"
         # NOTE: two host buffers: a launch must not overwrite the tokens of the step still to be read
@@ -182,11 +165,7 @@ class Engine:
             )
         state = SamplingState(params, self.config.model.eos_token_ids, num_generated)
         num_prompt = len(prompt_token_ids) - num_generated
-        pending = len(token_array) >= DEFER_ID_LIST
-        ids = [0] * len(token_array) if pending else _id_list(prompt_token_ids)
-        req = Request(request_id, ids, num_prompt, state, token_array=token_array, ids_pending=pending)
-        if pending:
-            self._ids_pending.append(req)
+        req = Request(request_id, _id_list(prompt_token_ids), num_prompt, state, token_array=token_array)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -268,8 +247,6 @@ class Engine:
         num_shared = self.kv.adopt(req, len(token_ids) - 1)
         if num_shared is None:
             return None
-        if req.ids_pending:
-            self._ids_pending.append(req)
         self.requests[request_id] = req
         self.scheduler.running.append(req)
         return Adoption(req.block_ids[num_shared:], num_shared)
@@ -310,17 +287,13 @@ class Engine:
         self.stats.num_preemptions += len(plan.preempted)
         if self._overlaps(plan):
             launched = self._launch_decode(plan)
-            self._fill_ids()
             outputs = self._read_in_flight()
             self._in_flight = launched
             return outputs
         outputs = self._read_in_flight()
         if outputs:  # NOTE: requests that the read just finished leave the plan
             plan.chunks = [c for c in plan.chunks if c.req.status is not RequestStatus.FINISHED]
-        if self._ids_pending and is_decode_pass(plan.chunks):
-            _fill_read_ids(plan)
         sampled, rows, known = self._run(plan)
-        self._fill_ids()  # NOTE: while the pass runs
         outputs += [self._accept(req, token, None, None) for req, token in known]
         if not sampled:
             return outputs
@@ -333,12 +306,6 @@ class Engine:
             self._accept(req, token, rows[i] if hit is None and req.num_output_tokens == 0 else None, hit, logprobs[i])
             for i, ((req, hit), token) in enumerate(zip(sampled, tokens, strict=True))
         ]
-
-    def _fill_ids(self) -> None:
-        """Build the id lists of the requests added since the last step (Request.ids_pending)."""
-        for req in self._ids_pending:
-            req.fill_ids()
-        self._ids_pending.clear()
 
     def _overlaps(self, plan: StepPlan) -> bool:
         """A pure decode pass whose sampling does not depend on how many tokens the host has read."""

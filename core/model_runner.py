@@ -84,9 +84,6 @@ def _token_ids(chunks: list[ScheduledChunk], starts: list[int], ends: list[int],
         if len(chunks) == 1:
             return arrays[0][starts[0] : ends[0]]
         return np.concatenate([a[s:e] for a, s, e in zip(arrays, starts, ends, strict=True)])
-    for c in chunks:  # NOTE: a prompt added this step holds zeros in token_ids until filled
-        if c.req.ids_pending:
-            c.req.fill_ids()
     slices = (c.req.token_ids[s:e] for c, s, e in zip(chunks, starts, ends, strict=True))
     return np.fromiter(itertools.chain.from_iterable(slices), np.int64, num_tokens)
 

@@ -46,19 +46,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     token_array: np.ndarray = field(default_factory=lambda: NO_TOKENS)
-    """token_ids[:len(token_array)] as int64, made once by the engine's admission check: passes and prefix
+    """token_ids[:len(token_array)] as int64, made once by the engine (admission check, adopt): passes and prefix
     hashes slice it instead of converting the list (4000 ids: ~60 us a conversion). Empty if never made."""
-    ids_pending: bool = False
-    """token_ids[:len(token_array)] are zeros, not the ids, until fill_ids(): the engine builds a long prompt's
-    (or handoff's) list once its first pass is launched (4000 ids of a 128k vocabulary: ~45 us on the CPU VM,
-    before, on every prefill's critical path and in a decode worker's loop). Until then token_ids' values are
-    read only past token_array (a handoff's last id, the tokens generated since) or through tokens()."""
-
-    def fill_ids(self) -> None:
-        """Make token_ids hold the ids (a no-op once they do)."""
-        if self.ids_pending:
-            self.token_ids[: len(self.token_array)] = self.token_array.tolist()
-            self.ids_pending = False
 
     def id_array(self) -> np.ndarray:  # [num_tokens] int64
         """Every token id in one array: token_array and the ids after it (a prompt of 4000 ids and its first
@@ -70,10 +59,7 @@ class Request:
 
     def tokens(self, start: int, end: int) -> np.ndarray | list[int]:
         """token_ids[start:end]: a view of token_array when it holds them."""
-        if end <= len(self.token_array):
-            return self.token_array[start:end]
-        self.fill_ids()
-        return self.token_ids[start:end]
+        return self.token_array[start:end] if end <= len(self.token_array) else self.token_ids[start:end]
 
     @property
     def num_tokens(self) -> int:

@@ -11,7 +11,7 @@ import pytest
 from pdserve.core import kv_cache_manager
 from pdserve.core.block_pool import hash_full_blocks
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
-from pdserve.core.engine import DEFER_ID_LIST, Engine
+from pdserve.core.engine import Engine
 from pdserve.core.errors import InvalidRequestError
 from pdserve.core.sampler import SamplingState
 from pdserve.core.sampling_params import SamplingParams
@@ -20,9 +20,8 @@ from tests.hf_reference import random_prompts
 PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 
-@pytest.mark.parametrize("lengths", [(5, 16, 33, 1), (70, 5, 130, DEFER_ID_LIST - 1)], ids=["short", "long"])
+@pytest.mark.parametrize("lengths", [(5, 16, 33, 1), (70, 5, 130, 63)], ids=["short", "long"])
 def test_detach_copy_adopt_equals_single_engine(tiny_llama_dir: Path, lengths: tuple[int, ...]) -> None:
-    """Long handoffs (DEFER_ID_LIST ids or more) get their id list after their first decode pass is launched."""
     cfg = EngineConfig(ModelConfig.from_pretrained(tiny_llama_dir), CacheConfig(num_blocks=64))
     prefill, decode, single = Engine(cfg), Engine(cfg), Engine(cfg)
     prompts = random_prompts(1024, lengths, seed=11)
@@ -38,8 +37,7 @@ def test_detach_copy_adopt_equals_single_engine(tiny_llama_dir: Path, lengths: t
             adoption = decode.adopt(req.request_id, req.token_ids, req.num_prompt_tokens, sampling)
             assert adoption is not None
             adopted = decode.requests[req.request_id]
-            assert adopted.ids_pending == (len(req.token_ids) >= DEFER_ID_LIST)
-            assert adopted.token_ids[-1] == req.token_ids[-1] and len(adopted.token_ids) == len(req.token_ids)
+            assert adopted.token_ids == req.token_ids
             src = adoption.sources(req.block_ids)
             decode.runner.kv_pool[:, :, adoption.dst] = prefill.runner.kv_pool[:, :, src]
             prefill.release_blocks(req.block_ids)
@@ -49,7 +47,7 @@ def test_detach_copy_adopt_equals_single_engine(tiny_llama_dir: Path, lengths: t
         for out in decode.step():
             rest[out.request_id].extend(out.new_token_ids)
     got = [[first[f"r{i}"], *rest[f"r{i}"]] for i in range(len(prompts))]
-    assert got == expected and not decode._ids_pending
+    assert got == expected
     assert decode.stats.num_prefill_tokens_computed == 0
     assert decode.pool.num_used_blocks == 0
 

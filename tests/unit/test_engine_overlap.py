@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
-from pdserve.core.engine import DEFER_ID_LIST, PLACEHOLDER, Engine, RequestOutput
+from pdserve.core.engine import PLACEHOLDER, Engine, RequestOutput
 from pdserve.core.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy, random_prompts
 
@@ -92,18 +92,14 @@ def test_a_new_request_joins_while_decoding_and_every_stream_matches_hf(engine: 
     assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
 
 
-def test_a_long_prompt_joining_decodes_gets_its_ids_in_the_mixed_pass(engine: Engine) -> None:
-    """A prompt of DEFER_ID_LIST ids or more has zeros in token_ids until its first pass is launched; a pass that
-    mixes it with decoding requests reads token lists (not arrays), so it must fill them first."""
-    prompts = random_prompts(1024, (6, 11, DEFER_ID_LIST + 36), seed=35)
+def test_a_long_prompt_joining_decodes_in_a_mixed_pass(engine: Engine) -> None:
+    """A pass that mixes a prompt with decoding requests reads token lists (not arrays)."""
+    prompts = random_prompts(1024, (6, 11, 100), seed=35)
     engine.add_request("m0", prompts[0], GREEDY)
     engine.add_request("m1", prompts[1], GREEDY)
     outs = [o for _ in range(4) for o in engine.step()]
     engine.add_request("m2", prompts[2], GREEDY)
-    joined = engine.requests["m2"]
-    assert joined.ids_pending and joined.token_ids == [0] * len(prompts[2])
     outs += engine.step()  # decode chunks of m0, m1 and m2's prompt in one pass
-    assert not joined.ids_pending and joined.token_ids[: len(prompts[2])] == prompts[2]
     outs += drain(engine)
     streams = [[t for o in outs if o.request_id == f"m{i}" for t in o.new_token_ids] for i in range(3)]
     assert streams == hf_greedy(engine.config.model.path, prompts, GREEDY.max_tokens)
@@ -113,7 +109,7 @@ def test_a_long_prompt_joining_decodes_gets_its_ids_in_the_mixed_pass(engine: En
 def test_a_long_prompt_left_with_one_token_to_compute_reads_its_ids(engine: Engine) -> None:
     """A prefix hit on all but the last token leaves a one-token pass: a decode pass, which reads token_ids."""
     bs = engine.config.cache.block_size
-    (first,) = random_prompts(1024, (-(-DEFER_ID_LIST // bs) * bs + 1,), seed=37)
+    (first,) = random_prompts(1024, (-(-64 // bs) * bs + 1,), seed=37)
     engine.generate([first], GREEDY)
     second = [*first[:-1], first[-1] % 1023 + 1]  # another last token (never 0, the placeholder)
     computed_before = engine.stats.num_prefill_tokens_computed
@@ -122,17 +118,12 @@ def test_a_long_prompt_left_with_one_token_to_compute_reads_its_ids(engine: Engi
     assert got == hf_greedy(engine.config.model.path, [second], GREEDY.max_tokens)
 
 
-def test_only_long_prompts_wait_for_their_id_list(engine: Engine) -> None:
-    short, long = random_prompts(1024, (DEFER_ID_LIST - 1, DEFER_ID_LIST), seed=36)
-    engine.add_request("s", np.array(short, dtype=np.int32), GREEDY)
-    engine.add_request("l", np.array(long, dtype=np.int32), GREEDY)
-    at_once, later = engine.requests["s"], engine.requests["l"]
-    assert not at_once.ids_pending and at_once.token_ids == short and all(type(t) is int for t in at_once.token_ids)
-    assert later.ids_pending and len(later.token_ids) == len(long)
-    assert np.array_equal(later.tokens(0, len(long)), long)
-    engine.step()
-    assert not later.ids_pending and later.token_ids[: len(long)] == long
-    assert all(type(t) is int for t in later.token_ids)
+def test_a_prompt_given_as_an_array_gets_a_list_of_python_ints(engine: Engine) -> None:
+    (prompt,) = random_prompts(1024, (64,), seed=36)
+    engine.add_request("a", np.array(prompt, dtype=np.int32), GREEDY)
+    req = engine.requests["a"]
+    assert req.token_ids == prompt and all(type(t) is int for t in req.token_ids)
+    assert np.array_equal(req.tokens(0, len(prompt)), prompt)
     drain(engine)
 
 

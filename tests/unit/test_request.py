@@ -1,4 +1,4 @@
-"""Request's id views: the array beside the list, and the list a long prompt gets after its first pass."""
+"""Request's id views: the array beside the list."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ from pdserve.core.sampler import SamplingState
 from pdserve.core.sampling_params import SamplingParams
 
 
-def make(ids: list[int], with_array: bool = True, pending: bool = False) -> Request:
+def make(ids: list[int], with_array: bool = True) -> Request:
     array = np.asarray(ids, dtype=np.int64) if with_array else np.zeros(0, dtype=np.int64)
-    listed = [0] * len(ids) if pending else list(ids)
-    return Request("r", listed, len(ids), SamplingState(SamplingParams(), ()), token_array=array, ids_pending=pending)
+    return Request("r", list(ids), len(ids), SamplingState(SamplingParams(), ()), token_array=array)
 
 
 def test_id_array_is_the_prompt_array_then_the_generated_ids() -> None:
@@ -31,25 +30,11 @@ def test_id_array_of_a_request_without_an_array_is_its_list() -> None:
     assert req.id_array().tolist() == [1, 2, 3]
 
 
-def test_fill_ids_writes_the_prompt_once() -> None:
-    prompt = [4, 8, 15, 16, 23, 42]
-    req = make(prompt, pending=True)
-    assert req.token_ids == [0] * 6 and req.tokens(0, 6).tolist() == prompt  # type: ignore[union-attr]
-    req.fill_ids()
-    assert req.token_ids == prompt and not req.ids_pending
-    req.token_ids.append(9)
-    req.fill_ids()  # a no-op now: the generated id stays
-    assert req.token_ids == [*prompt, 9]
-
-
-def test_tokens_past_the_array_of_a_pending_list_fill_it_first() -> None:
-    """A handoff's request: all but its last id in the array, the list zeros but for that id until filled."""
+def test_tokens_view_the_array_and_read_the_list_past_it() -> None:
+    """A handoff's request: all but its last id in the array."""
     ids = [4, 8, 15, 16, 23, 42]
-    req = Request(
-        "r", [0] * 5 + [42], 6, SamplingState(SamplingParams(), ()),
-        token_array=np.asarray(ids[:-1], dtype=np.int64), ids_pending=True,
-    )  # fmt: skip
-    assert req.tokens(0, 5).tolist() == ids[:5] and req.ids_pending  # type: ignore[union-attr]
+    req = Request("r", list(ids), 6, SamplingState(SamplingParams(), ()), token_array=np.asarray(ids[:-1]))
+    assert req.tokens(0, 5).tolist() == ids[:5]  # type: ignore[union-attr]
     req.token_ids.append(7)
-    assert req.tokens(3, 7) == [16, 23, 42, 7] and not req.ids_pending
+    assert req.tokens(3, 7) == [16, 23, 42, 7]
     assert req.id_array().tolist() == [*ids, 7]
