@@ -134,7 +134,11 @@ def decode_ms(engine: Engine, batch: int, context: int, steps: int) -> dict[str,
         sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     if len(engine.scheduler.running) != batch:
-        raise RuntimeError(f"{len(engine.scheduler.running)} of {batch} sequences still decode after the timed steps")
+        raise RuntimeError(
+            f"{len(engine.scheduler.running)} of {batch} sequences of {context} tokens still decode after the timed "
+            f"steps ({len(engine.scheduler.waiting)} waiting, {engine.pool.num_free_blocks} of "
+            f"{engine.pool.num_blocks} blocks free)"
+        )
     graph = (
         replay_ms(engine, batch)
         if engine.runner.graphs is not None and batch <= engine.runner.graphs.max_size
@@ -148,8 +152,17 @@ def decode_ms(engine: Engine, batch: int, context: int, steps: int) -> dict[str,
     return {"batch": batch, "context": context, "ms": round(statistics.median(times), 4), "graph_replay_ms": graph}
 
 
-def fits(capacity: int, batch: int, context: int, steps: int) -> bool:
-    return batch * (context + steps + 16) <= capacity
+def fits(capacity: int, batch: int, context: int, grid: Grid, block: int) -> bool:
+    """Whether `batch` sequences of `context` prompt tokens and their whole output budget fit the pool's
+    `capacity` tokens in whole blocks (else the scheduler preempts one and the point is not of `batch`)."""
+    tokens = context + output_budget(batch, context, grid.steps, grid.budget)
+    return batch * -(-tokens // block) * block <= capacity
+
+
+def largest_fitting(capacity: int, batch: int, context: int, grid: Grid, block: int) -> int:
+    while batch > 1 and not fits(capacity, batch, context, grid, block):
+        batch -= 1
+    return batch
 
 
 def extrapolated(rows: dict[int, dict[str, Any]], batch: int, context: int) -> dict[str, Any]:
@@ -162,11 +175,12 @@ def extrapolated(rows: dict[int, dict[str, Any]], batch: int, context: int) -> d
 def decode_grid(engine: Engine, grid: Grid, capacity: int) -> list[dict[str, Any]]:
     points = []
     longest = longest_context(engine.config.model.max_model_len, grid)
+    block = engine.config.cache.block_size
     for context in sorted({min(c, longest) for c in grid.contexts}):
         rows: dict[int, dict[str, Any]] = {}
         for batch in grid.batches:
-            if fits(capacity, batch, context, grid.steps) or len(rows) < 2:
-                size = batch if fits(capacity, batch, context, grid.steps) else max(1, capacity // (context + 64))
+            if fits(capacity, batch, context, grid, block) or len(rows) < 2:
+                size = largest_fitting(capacity, batch, context, grid, block)
                 rows[size] = decode_ms(engine, size, context, grid.steps)
                 print(f"decode batch {size} context {context}: {rows[size]['ms']:.3f} ms", flush=True)
             point = rows.get(batch) or extrapolated(rows, batch, context)
