@@ -5,8 +5,8 @@ whole blocks, and the grid point beyond the pool is extrapolated and marked so."
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
