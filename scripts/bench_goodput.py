@@ -30,6 +30,15 @@ table.json and table.md. Every file names the GPU and the commands that made it.
 its cluster, writes the table from what there is and exits 1; it exits 1 whenever the table is incomplete.
 
 NOTE: NVLink multicast stays off in everything started here (bench_tp_serving.MULTICAST_OFF).
+
+A device call (carry .whl, the profile and --out without its *.rate-*.json; the tool sends at most 64 MiB and
+returns at most 8 files of 16 MiB, and one call's rate files came to 20 MB gzipped): after the run,
+
+    cd bench/out && tar czf $OUT/goodput.tar.gz --exclude='*.rate-*.json' goodput-2gpu &&
+    find goodput-2gpu -name '*.rate-*.json' | tar cJf - -T - | split -b 15m -d - $OUT/rates.tar.xz.
+
+and here `tar xzf goodput.tar.gz -C bench/out; cat rates.tar.xz.* | tar xJf - -C bench/out-rates`: the rate files
+are needed only to rescore under another SLO (copy them in first) or to resume a pair stopped between two rates.
 """
 
 from __future__ import annotations
