@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=128, help="sequences a decode worker runs at once")
     p.add_argument("--max-model-len", type=int, default=None, help="cut prompts to fit (default: the profile's)")
     p.add_argument("--target", type=float, default=0.9, help="attainment the goodput rate must reach")
-    p.add_argument("--num-requests", type=int, default=400, help="simulated requests per rate")
+    p.add_argument("--warmup-s", type=float, default=10.0, help="simulated seconds of arrivals before the window")
+    p.add_argument("--duration-s", type=float, default=20.0, help="simulated window whose arrivals are scored")
     p.add_argument("--seed", type=int, default=0)
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -81,9 +82,10 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     sampler = workload_named(args.workload, args.dataset_path)
     num_gpus = args.gpus or profile.num_gpus
     split = tuple(int(x) for x in args.mps_split.split("/"))
-    config = PlanConfig(args.num_requests, target=args.target, seed=args.seed, sim=SimConfig(args.max_num_seqs))
+    config = PlanConfig(args.warmup_s, args.duration_s, target=args.target, seed=args.seed,
+                        sim=SimConfig(args.max_num_seqs))  # fmt: skip
     max_len = args.max_model_len or profile.model.get("max_model_len")
-    trace = Trace.draw(sampler, config.num_requests, config.seed, max_len)
+    trace = Trace(sampler, config.seed, max_len)
     cost = StepCost(profile)
     chunks = tuple(int(c) for c in args.chunks.split(","))
     layouts = layouts_for(num_gpus, chunks, (split[0], split[1]), profile.tp_sizes)
@@ -96,10 +98,11 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "profile": {"path": args.profile, "gpu": profile.gpu, "model": dict(profile.model),
                     "tp_sizes": list(profile.tp_sizes)},
         "num_gpus": num_gpus,
-        "workload": {"name": sampler.name, "source": sampler.source, "mean_input_len": float(trace.prompt_lens.mean()),
-                     "mean_output_len": float(trace.output_lens.mean()), "max_model_len": max_len},
+        "workload": {"name": sampler.name, "source": sampler.source, "mean_input_len": trace.mean_input_len,
+                     "mean_output_len": trace.mean_output_len, "max_model_len": max_len},
         "slos_ms": slos,
         "target_attainment": config.target,
+        "window_s": {"warmup": config.warmup_s, "duration": config.duration_s},
         "layouts": rows,
         "recommended": best.layout.name if best.goodput > 0 else None,
         "best_colocated": colocated.layout.name,

@@ -1,9 +1,13 @@
 """Predicted goodput of a layout: the highest Poisson rate at which the simulation (simulate.py) has `target` of
 its requests meeting every SLO, found by a geometric bisection between a rate that passes and one that fails.
 
-Every rate and layout replays the same requests (one seeded draw of lengths and of unit-rate arrival gaps, scaled
-by 1/rate), so comparisons are not blurred by sampling noise. The first and last `edge` share of the requests is
-left out: the first see an empty system, the last one that drains.
+A rate is judged as pdserve-bench-serving measures it: arrivals for `warmup_s`, then a window of `duration_s` whose
+arrivals are scored, then none (the system drains). The count of requests grows with the rate, so a rate the
+layout cannot sustain builds a queue over the window and fails; a fixed count of requests would arrive as one
+burst at high rates and finish within a loose TTFT even where the layout could not keep up.
+
+Every rate and layout replays one seeded stream of requests (lengths and unit-rate arrival gaps, arrivals scaled
+by 1/rate; a lower rate's requests are a prefix of a higher one's), so comparisons are not blurred by sampling noise.
 """
 
 from __future__ import annotations
@@ -19,16 +23,20 @@ from pdserve.router.plan.layouts import Layout, WorkerSlot
 from pdserve.router.plan.simulate import SimConfig, SimRequest, StepCost, make_requests, simulate
 
 SLO_KINDS = ("ttft", "tpot", "itl_p99", "e2el")
+DRAW_BLOCK = 4096
+"""Requests the stream draws at a time."""
 
 
 @dataclass(frozen=True)
 class PlanConfig:
     """How hard the planner looks."""
 
-    num_requests: int = 400
-    """Requests per simulated rate."""
-    edge: float = 0.1
-    """Share of the first and of the last requests left out of the attainment."""
+    warmup_s: float = 10.0
+    """Seconds of arrivals before the scored window (bench_goodput's --warmup)."""
+    duration_s: float = 20.0
+    """The scored window: requests arriving in it count (bench_goodput's --duration)."""
+    min_requests: int = 100
+    """At a rate too low for this many arrivals in duration_s, the window is longer."""
     target: float = 0.9
     """Attainment the goodput rate must reach (DistServe's 90%)."""
     steps: int = 10
@@ -39,24 +47,46 @@ class PlanConfig:
     """Batching limits of the simulated workers."""
 
 
-@dataclass(frozen=True)
 class Trace:
-    """One draw of requests: lengths and the arrival times of a rate-1 Poisson process."""
+    """One seeded stream of requests: lengths and the arrival times of a rate-1 Poisson process, drawn in blocks of
+    DRAW_BLOCK as far as a rate's span needs (each block from its own seeded generator: the same stream however
+    far it is drawn)."""
 
-    unit_arrivals: np.ndarray
-    prompt_lens: np.ndarray
-    output_lens: np.ndarray
+    def __init__(self, sampler: LengthSampler, seed: int, max_model_len: int | None) -> None:
+        self.sampler, self.seed, self.max_model_len = sampler, seed, max_model_len
+        self.unit_arrivals = np.zeros(0)
+        self.prompt_lens = np.zeros(0, dtype=np.int64)
+        self.output_lens = np.zeros(0, dtype=np.int64)
+        self._draw()
 
-    @classmethod
-    def draw(cls, sampler: LengthSampler, num_requests: int, seed: int, max_model_len: int | None) -> Trace:
-        rng = np.random.default_rng([seed, 37])
-        prompts, outputs = sampler.sample(rng, num_requests)
-        if max_model_len is not None:
-            prompts = np.minimum(prompts, np.maximum(max_model_len - outputs, 1))
-        return cls(np.cumsum(rng.exponential(1.0, num_requests)), prompts, outputs)
+    def _draw(self) -> None:
+        rng = np.random.default_rng([self.seed, 37, self.unit_arrivals.size // DRAW_BLOCK])
+        prompts, outputs = self.sampler.sample(rng, DRAW_BLOCK)
+        if self.max_model_len is not None:
+            prompts = np.minimum(prompts, np.maximum(self.max_model_len - outputs, 1))
+        start = self.unit_arrivals[-1] if self.unit_arrivals.size else 0.0
+        self.unit_arrivals = np.concatenate([self.unit_arrivals, start + np.cumsum(rng.exponential(1.0, DRAW_BLOCK))])
+        self.prompt_lens = np.concatenate([self.prompt_lens, prompts])
+        self.output_lens = np.concatenate([self.output_lens, outputs])
 
-    def requests(self, rate: float) -> list[SimRequest]:
-        return make_requests(self.unit_arrivals / rate, self.prompt_lens, self.output_lens)
+    @property
+    def mean_input_len(self) -> float:
+        return float(self.prompt_lens[:DRAW_BLOCK].mean())
+
+    @property
+    def mean_output_len(self) -> float:
+        return float(self.output_lens[:DRAW_BLOCK].mean())
+
+    def window(self, rate: float, plan: PlanConfig) -> tuple[list[SimRequest], slice]:
+        """The requests arriving before the window's end at `rate`, and the slice of them arriving in it."""
+        window_s = max(plan.duration_s, plan.min_requests / rate)
+        first, end = plan.warmup_s * rate, (plan.warmup_s + window_s) * rate
+        while self.unit_arrivals[-1] < end:
+            self._draw()
+        n = int(np.searchsorted(self.unit_arrivals, end))
+        k = int(np.searchsorted(self.unit_arrivals, first))
+        requests = make_requests(self.unit_arrivals[:n] / rate, self.prompt_lens[:n], self.output_lens[:n])
+        return requests, slice(k, n)
 
 
 class Outcome(NamedTuple):
@@ -85,10 +115,9 @@ def slo_value(req: SimRequest, kind: str) -> float:
 def evaluate(
     layout: Layout, cost: StepCost, trace: Trace, rate: float, slos: Mapping[str, float], plan: PlanConfig
 ) -> Outcome:
-    """Simulate the layout at `rate` and score the measured requests against the SLOs (ms)."""
-    done = simulate(layout, cost, trace.requests(rate), plan.sim)
-    cut = int(len(done) * plan.edge)
-    measured = done[cut : len(done) - cut] or done
+    """Simulate the layout at `rate` and score the requests arriving in the window against the SLOs (ms)."""
+    requests, scored = trace.window(rate, plan)
+    measured = simulate(layout, cost, requests, plan.sim)[scored]
     meets = {k: np.array([slo_value(r, k) * 1e3 <= v for r in measured]) for k, v in slos.items()}
     every = np.logical_and.reduce(list(meets.values())) if meets else np.ones(len(measured), dtype=bool)
     return Outcome(
@@ -124,7 +153,7 @@ class LayoutResult(NamedTuple):
 def capacity_guess(layout: Layout, cost: StepCost, trace: Trace, plan: PlanConfig) -> float:
     """An upper bound of the layout's rate (req/s): the lesser of its prefill and decode ceilings (each worker's at
     its TP size, times its SM share)."""
-    mean_in, mean_out = float(trace.prompt_lens.mean()), float(trace.output_lens.mean())
+    mean_in, mean_out = trace.mean_input_len, trace.mean_output_len
     context = mean_in + mean_out / 2
 
     def rate(w: WorkerSlot, role: str) -> float:

@@ -17,7 +17,7 @@ from pdserve.router.plan import cli as plan_cli
 from tests.e2e.cluster import ROOT, free_port
 from tests.unit.test_plan_model import PREFILL_BOUND
 
-PLAN_ARGS = ["--workload", "long-input", "--slo", "ttft:10000,itl_p99:50", "--num-requests", "100"]
+PLAN_ARGS = ["--workload", "long-input", "--slo", "ttft:10000,itl_p99:50", "--duration-s", "10"]
 """A prompt stalls colocated decodes far past the ITL SLO: the plan is disaggregated (1P:1D-shared on 1 GPU)."""
 
 

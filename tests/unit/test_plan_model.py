@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 
+from pdserve.router.benchmark.lengths import WORKLOADS
 from pdserve.router.plan import cli
 from pdserve.router.plan.layouts import colocated, disaggregated, layouts_for
 from pdserve.router.plan.profile import Profile, interpolate
+from pdserve.router.plan.search import DRAW_BLOCK, PlanConfig, Trace, find_goodput
 from pdserve.router.plan.simulate import SimConfig, SimRequest, StepCost, simulate
 
 
@@ -112,7 +114,7 @@ def run_plan(doc: dict[str, Any], tmp_path: Path, workload: str, slo: str) -> di
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(doc))
     args = cli.build_parser().parse_args(["--profile", str(path), "--workload", workload, "--slo", slo,
-                                          "--num-requests", "150"])  # fmt: skip
+                                          "--duration-s", "10"])  # fmt: skip
     return cli.plan(args)
 
 
@@ -136,7 +138,7 @@ def test_an_unmeetable_slo_recommends_nothing(tmp_path: Path, capsys: pytest.Cap
     assert doc["recommended"] is None and all(r["goodput"] == 0 for r in doc["layouts"])
     assert "misses the SLO even at a trickle" in doc["layouts"][0]["why"]
     argv = ["--profile", str(tmp_path / "profile.json"), "--workload", "long-input", "--slo", "ttft:100"]
-    assert cli.main([*argv, "--num-requests", "50", "--launch-flags"]) == 1
+    assert cli.main([*argv, "--duration-s", "10", "--launch-flags"]) == 1
     assert "no layout meets" in capsys.readouterr().err
 
 
@@ -154,3 +156,31 @@ def test_plan_imports_no_torch() -> None:
 
     code = "import sys, pdserve.router.plan.cli; assert 'torch' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_rate_beyond_what_the_layout_sustains_fails_however_loose_the_ttft() -> None:
+    """Requests keep arriving through the scored window, so past the layout's throughput a queue builds and the
+    rate fails. (A fixed count of requests arrives as one burst at a high rate: here 400 of them clear in under a
+    second, within any loose TTFT, and the knee would be wherever the search stopped.)"""
+    profile = Profile.from_json(profile_doc(0.001, 0.5, 1.0, 0.01))  # NOTE: a step of 128 decodes: 2.28 ms
+    trace = Trace(WORKLOADS["chat"], seed=0, max_model_len=None)
+    plan = PlanConfig(warmup_s=5.0, duration_s=10.0)
+    result = find_goodput(colocated(2, 512), StepCost(profile), trace, {"ttft": 2000.0, "tpot": 50.0}, plan)
+    throughput = 2 * plan.sim.max_num_seqs / (profile.decode_time(128, 0) / 1e3) / trace.mean_output_len
+    # NOTE: past it, the queue a run of warmup + duration builds must outgrow the TTFT, as in a measured run
+    ceiling = throughput * (1 + 2.0 / (plan.warmup_s + plan.duration_s))
+    assert 0.5 * throughput < result.goodput <= ceiling
+    assert result.over is not None and result.over.by_kind["ttft"] < plan.target
+
+
+def test_a_lower_rates_requests_are_a_prefix_of_a_higher_ones() -> None:
+    trace = Trace(WORKLOADS["long-input"], seed=3, max_model_len=8192)
+    plan = PlanConfig(warmup_s=2.0, duration_s=4.0, min_requests=10)
+    low, low_window = trace.window(5.0, plan)
+    high, high_window = trace.window(5000.0, plan)  # NOTE: 30k arrivals: the stream draws more blocks
+    assert len(high) > 4 * DRAW_BLOCK and len(low) == low_window.stop and high_window.start == pytest.approx(10000, rel=0.03)
+    assert [(r.prompt_len, r.output_len) for r in low] == [(r.prompt_len, r.output_len) for r in high[: len(low)]]
+    assert [r.arrival * 5.0 for r in low] == pytest.approx([r.arrival * 5000.0 for r in high[: len(low)]])
+    assert all(r.prompt_len <= max(8192 - r.output_len, 1) for r in high)
+    sparse, window = trace.window(0.5, plan)  # NOTE: 2 arrivals in 4 s: the window grows to hold 10
+    assert window.stop - window.start == pytest.approx(10, abs=6) and sparse[-1].arrival > 2.0 + 4.0

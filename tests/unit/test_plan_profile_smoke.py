@@ -27,7 +27,7 @@ def test_smoke_profile_is_read_and_planned_from(tmp_path: Path) -> None:
     assert profile.decode_batches == (1, 4) and profile.decode_contexts == (32, 128)
     assert all(ms > 0 for ms in profile.prefill_ms) and all(ms > 0 for row in profile.decode_ms for ms in row)
     assert profile.kv_capacity_tokens == 255 * 16 and profile.num_gpus == 2
-    argv = ["--profile", str(out), "--workload", "chat", "--slo", "ttft:60000,tpot:10000", "--num-requests", "60"]
+    argv = ["--profile", str(out), "--workload", "chat", "--slo", "ttft:60000,tpot:10000", "--duration-s", "10"]
     plan = plan_cli.plan(plan_cli.build_parser().parse_args(argv))
     assert plan["num_gpus"] == 2 and len(plan["layouts"]) == 5 and plan["recommended"] is not None
     assert plan["workload"]["max_model_len"] == 512
@@ -55,7 +55,7 @@ def test_smoke_profile_at_tp_2_adds_a_tp_section_the_planner_compares(tmp_path: 
     assert profile.tp_sizes == (1, 2) and tp2.prefill_tokens == (16, 64, 128) and tp2.prefill_budget == 64
     assert tp2.decode_batches == (1, 4) and tp2.decode_contexts == (32, 128) and tp2.kv_capacity_tokens == 255 * 16
     assert all(ms > 0 for ms in tp2.prefill_ms) and all(ms > 0 for row in tp2.decode_ms for ms in row)
-    argv = ["--profile", str(out), "--workload", "chat", "--slo", "ttft:60000,tpot:10000", "--num-requests", "60"]
+    argv = ["--profile", str(out), "--workload", "chat", "--slo", "ttft:60000,tpot:10000", "--duration-s", "10"]
     plan = plan_cli.plan(plan_cli.build_parser().parse_args(argv))
     names = [row["layout"] for row in plan["layouts"]]
     assert plan["num_gpus"] == 3 and names[-2:] == ["1P:1D(tp2)", "1P(tp2):1D"]

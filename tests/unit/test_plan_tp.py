@@ -148,7 +148,7 @@ def plan_doc(doc: dict[str, Any], tmp_path: Path, *extra: str) -> dict[str, Any]
 
 def plan_argv(path: Path) -> list[str]:
     return ["--profile", str(path), "--workload", "chat", "--slo", "ttft:500,tpot:15", "--max-num-seqs", "32",
-            "--num-requests", "150"]  # fmt: skip
+            "--duration-s", "10"]  # fmt: skip
 
 
 def test_faster_tp_2_steps_win_a_tight_tpot_slo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
