@@ -31,6 +31,9 @@ its cluster, writes the table from what there is and exits 1; it exits 1 wheneve
 
 NOTE: NVLink multicast stays off in everything started here (bench_tp_serving.MULTICAST_OFF).
 
+--lanes K measures K layouts at once on a host of K x --gpus GPUs (goodput_lanes.py): on 4 GPUs the 2-GPU table
+takes half the device time.
+
 A device call (carry .whl, the profile and --out without its *.rate-*.json; the tool sends at most 64 MiB and
 returns at most 8 files of 16 MiB, and one call's rate files came to 20 MB gzipped): after the run,
 
@@ -60,10 +63,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import goodput_lanes
 from bench_serving_suite import WARMUP, gpu_name
 from bench_tp_serving import (
     MULTICAST_OFF,
     SMOKE_WARMUP,
+    STOP_RESERVE_S,
     Cluster,
     Deadline,
     DeadlineExceeded,
@@ -196,7 +201,8 @@ def extra_rate(sweeps: Sequence[dict[str, Any]], knees: Sequence[float], planned
 def plan_argv(profile: str, workload: str, slo: dict[str, float], gpus: int, setup: Setup) -> list[str]:
     slo_text = ",".join(goodput_flags(slo))
     return ["--profile", profile, "--workload", workload, "--slo", slo_text, "--gpus", str(gpus),
-            "--max-num-seqs", str(setup.max_num_seqs), "--json"]  # fmt: skip
+            "--max-num-seqs", str(setup.max_num_seqs), "--warmup-s", f"{setup.warmup_s:g}",
+            "--duration-s", f"{setup.duration_s:g}", "--json"]  # fmt: skip
 
 
 def load_plan(out: Path, argv: list[str], header: dict[str, Any]) -> dict[str, Any]:
@@ -299,6 +305,8 @@ class Context:
     """The planner's JSON by workload, then SLO tag."""
     header: dict[str, Any]
     """GPU, date, this call's command."""
+    lane_gpus: tuple[str, ...] = ()
+    """A lane's GPUs by UUID (goodput_lanes.py); () outside lanes: the layouts' GPU indices as they are."""
 
 
 def shared_pool_blocks(profile: Profile, layout: Layout) -> int | None:
@@ -314,7 +322,8 @@ def cluster_argv(ctx: Context, layout: Layout, run_dir: Path) -> list[str]:
     setup = ctx.setup
     argv = [sys.executable, "-m", "pdserve.router.cluster_cli", "--model", str(ctx.model_dir), "--run-dir"]
     argv += [str(run_dir), "--port", "0", "--device", setup.device, "--dtype", setup.dtype, "--load-format", "dummy"]
-    argv += ["--metrics-port", "0", *layout.cluster_flags(setup.max_num_seqs)]
+    flags = layout.cluster_flags(setup.max_num_seqs)
+    argv += ["--metrics-port", "0", *(goodput_lanes.lane_flags(flags, ctx.lane_gpus) if ctx.lane_gpus else flags)]
     blocks = setup.num_blocks or shared_pool_blocks(ctx.profile, layout)
     return argv + (["--num-blocks", str(blocks)] if blocks else [])
 
@@ -595,6 +604,26 @@ def run_pairs(ctx: Context, layouts: list[Layout], pairs: list[tuple[str, str]])
         print(f"== stopped: {exc}", flush=True)
 
 
+def run_in_lanes(
+    argv: list[str],
+    setup: Setup,
+    plans: dict[str, dict[str, dict[str, Any]]],
+    layouts: list[Layout],
+    pairs: list[tuple[str, str]],
+    deadline: Deadline,
+    gpus: list[list[str]],
+    out: Path,
+) -> None:
+    """The pairs' layouts split among lanes (goodput_lanes.py) by their planned seconds, one child a lane."""
+    seconds = {x.name: setup.start_estimate_s for x in layouts if any(name == x.name for name, _ in pairs)}
+    for name, workload in pairs:
+        seconds[name] += len(pair_rates(plans[workload], name, setup)) * setup.rate_s
+    groups = goodput_lanes.split(seconds, len(gpus))
+    left = deadline.end - time.monotonic() + STOP_RESERVE_S
+    argvs = [goodput_lanes.child_argv(__file__, argv, g, lane, left) for g, lane in zip(groups, gpus, strict=False)]
+    goodput_lanes.run_lanes(argvs, gpus[: len(groups)], out / "logs", left)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", required=True, help="the planner's profile of this GPU (scripts/profile_layout.py)")
@@ -609,6 +638,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=None, help="seconds of each rate's window")
     p.add_argument("--smoke", action="store_true", help="a tiny model on CPU, two layouts, tiny rates")
     p.add_argument("--report", action="store_true", help="only write table.json and table.md from --out")
+    p.add_argument("--lanes", type=int, default=1, help="layouts measured at once, each on its own --gpus GPUs")
+    p.add_argument("--lane-gpus", default=None, help=argparse.SUPPRESS)  # NOTE: a lane's child (goodput_lanes.py)
     return p.parse_args(argv)
 
 
@@ -636,22 +667,30 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings, header = call_settings(args, setup, num_gpus, slos), call_header(setup, argv)
+    header |= {"lanes": args.lanes} if args.lanes > 1 else {}
     try:
-        record_call(out, settings, header, check=not args.report)
+        lanes = goodput_lanes.lane_gpus(goodput_lanes.gpu_uuids(setup.device), args.lanes, num_gpus)
+        if not args.lane_gpus:  # NOTE: a lane's child: its parent recorded the call and writes the table
+            record_call(out, settings, header, check=not args.report)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
     plans = {w: {tag: load_plan(out, plan_argv(args.profile, w, s, num_gpus, setup), header) for tag, s in
                  slos.items()} for w in workloads}  # fmt: skip
     pairs = remaining_pairs(out, [layout.name for layout in layouts], workloads)
-    if pairs and not args.report:
+    if pairs and not args.report and args.lanes > 1:
+        run_in_lanes(argv, setup, plans, layouts, pairs, deadline, lanes, out)
+    elif pairs and not args.report:
         scratch = Path(tempfile.mkdtemp(prefix="pdserve-goodput-"))
         model = Path(args.model) if args.model else write_model(setup, scratch / "model")
-        ctx = Context(setup, out, profile, model, scratch, deadline, slos, plans, header)
+        lane = tuple(args.lane_gpus.split(",")) if args.lane_gpus else ()
+        ctx = Context(setup, out, profile, model, scratch, deadline, slos, plans, header, lane)
         try:
             run_pairs(ctx, layouts, pairs)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+    if args.lane_gpus:
+        return 0
     extra = {"num_gpus": num_gpus, "profile": args.profile, "profile_gpu": profile.gpu, "settings": settings}
     table = build_table(out, layouts, plans, slos, header | extra)
     write_json(out / "table.json", table)

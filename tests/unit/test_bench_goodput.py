@@ -1,8 +1,8 @@
 """scripts/bench_goodput.py: the table from sweep JSONs as the sweep writes them (knees, goodput per GPU, the
 planner's error, the ratio of the best disaggregated to the best colocated layout, cells not run or failed); the
 pairs a later call still has to run; rates that bracket the predicted knees and rates added where the measured
-ones do not; and --smoke end to end on CPU (two layouts, one workload, two rates), then a call that has nothing
-left to run."""
+ones do not; lanes (goodput_lanes.py); and --smoke end to end on CPU (two layouts in two lanes, one workload, two
+rates), then a call that has nothing left to run."""
 
 from __future__ import annotations
 
@@ -174,10 +174,13 @@ def test_with_too_little_time_before_the_deadline_nothing_starts_and_it_exits_1(
 
 
 @pytest.mark.slow
-def test_smoke_measures_two_layouts_on_cpu_and_a_second_call_has_nothing_left(tmp_path: Path) -> None:
+def test_smoke_measures_two_layouts_in_two_lanes_on_cpu_and_a_second_call_has_nothing_left(tmp_path: Path) -> None:
     profile, out = smoke_profile(tmp_path), tmp_path / "out"
-    proc = run_smoke(out, profile)
+    proc = run_smoke(out, profile, "--lanes", "2")  # NOTE: one layout a lane, on stand-in GPUs cpu-0,1 and cpu-2,3
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    lanes = sorted((out / "logs").glob("lane-*.log"))
+    assert [p.name for p in lanes] == ["lane-0.log", "lane-1.log"]
+    assert "--lane-gpus cpu-0,cpu-1" in proc.stdout and "--lane-gpus cpu-2,cpu-3" in proc.stdout
     table = json.loads((out / "table.json").read_text())
     assert table["complete"] is True and table["gpu"] == "cpu" and table["measured_on"] == ["cpu"]
     assert [t["slo"] for t in table["tables"]] == ["ttft2000-tpot50", "ttft1500-tpot25", "ttft1000-tpot15"]
@@ -193,10 +196,38 @@ def test_smoke_measures_two_layouts_on_cpu_and_a_second_call_has_nothing_left(tm
             assert rescored["bench_goodput"]["gpu"] == "cpu"
     commands = "\n".join(table["commands"])
     assert commands.count("pdserve.router.cluster_cli") == 2 and "--device cpu" in commands
+    assert "--decode-gpus cpu-0,cpu-1" in commands and "--prefill-gpus cpu-2 --decode-gpus cpu-3" in commands
     assert commands.count("--dataset chat --request-rate") == 4 and "--save-detailed" in commands
     run = json.loads((out / "run.json").read_text())
-    assert run["invocations"][0]["env"]["NCCL_NVLS_ENABLE"] == "0"
+    assert run["invocations"][0]["env"]["NCCL_NVLS_ENABLE"] == "0" and run["invocations"][0]["lanes"] == 2
     again = run_smoke(out, profile)
     assert again.returncode == 0 and "pdserve.router.cluster_cli" not in again.stdout.split("## Commands")[0]
     assert len(json.loads((out / "run.json").read_text())["invocations"]) == 2
     assert json.loads((out / "table.json").read_text())["tables"] == table["tables"]
+
+
+def test_lanes_split_layouts_by_planned_seconds_and_name_their_gpus(script: Any) -> None:
+    lanes = script.goodput_lanes
+    seconds = {"colocated-c512": 500.0, "1P:1D": 400.0, "1P:2D-shared": 300.0, "2P:1D-shared": 250.0}
+    assert lanes.split(seconds, 2) == [["colocated-c512", "2P:1D-shared"], ["1P:1D", "1P:2D-shared"]]
+    assert lanes.split({"1P:1D": 1.0}, 2) == [["1P:1D"]]
+    assert lanes.lane_gpus(["a", "b", "c", "d"], 2, 2) == [["a", "b"], ["c", "d"]]
+    with pytest.raises(ValueError, match="needs 4, the host has 3"):
+        lanes.lane_gpus(["a", "b", "c"], 2, 2)
+    flags = [
+        "--max-num-seqs",
+        "8",
+        "--prefill",
+        "2",
+        "--prefill-gpus",
+        "0,1",
+        "--decode-gpus",
+        "1",
+        "--mps-split",
+        "50/50",
+    ]
+    assert lanes.lane_flags(flags, ["u2", "u3"]) == [*flags[:5], "u2,u3", "--decode-gpus", "u3", *flags[-2:]]
+    argv = ["--profile", "p.json", "--lanes", "2", "--layouts=1P:1D", "--deadline-s", "500", "--out", "o"]
+    child = lanes.child_argv("bench_goodput.py", argv, ["1P:1D"], ["u0", "u1"], 480.4)
+    assert child[1:] == ["bench_goodput.py", "--profile", "p.json", "--out", "o", "--layouts", "1P:1D",
+                         "--lane-gpus", "u0,u1", "--deadline-s", "480"]  # fmt: skip
