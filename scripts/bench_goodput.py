@@ -77,9 +77,20 @@ from bench_tp_serving import (
     run_load,
     write_json,
 )
+from goodput_table import (
+    build_table,
+    layout_tag,
+    measured_rates,
+    merge_rates,
+    pair_dir,
+    predicted,
+    read_json,
+    remaining_pairs,
+    summary_path,
+    table_md,
+)
 
 from pdserve.router.benchmark.rescore import rescore
-from pdserve.router.benchmark.sweep import DEFAULT_TARGET, summary
 from pdserve.router.benchmark.sweep_run import rate_path
 from pdserve.router.plan import cli as plan_cli
 from pdserve.router.plan.layouts import Layout, layouts_for
@@ -92,9 +103,6 @@ RATE_SPAN = (0.7, 1.3)
 """The rates run from this multiple of the lowest predicted knee to this multiple of the highest."""
 RATE_STEP = 1.6
 """Largest ratio of two neighbouring rates, and of an added rate to the one it extends."""
-RATE_KEYS = ("request_rate", "num_requests", "num_good", "slo_attainment", "slo_attainment_by_kind", "goodput",
-             "goodput_per_gpu", "request_throughput_per_gpu", "metrics")  # fmt: skip
-"""A rate's figures (sweep.rate_result) in its JSON, beside its config, tags and records."""
 RATE_OVERHEAD_S = 15.0
 """Seconds a rate takes beyond warm-up + window (+ drain, at most): the client's start, the cool-down, requests
 finishing after the window."""
@@ -158,11 +166,6 @@ def goodput_flags(slo: dict[str, float]) -> list[str]:
     return [f"{k}:{v:g}" for k, v in slo.items()]
 
 
-def layout_tag(name: str) -> str:
-    """A layout name as a folder name: 1P(tp2):1D(tp2)-shared -> 1P-tp2_1D-tp2-shared."""
-    return name.replace(":", "_").replace("(", "-").replace(")", "")
-
-
 def round_rate(rate: float) -> float:
     return float(f"{rate:.3g}")
 
@@ -218,10 +221,6 @@ def load_plan(out: Path, argv: list[str], header: dict[str, Any]) -> dict[str, A
     return doc
 
 
-def predicted(plan: dict[str, Any], layout: str) -> dict[str, Any]:
-    return next(row for row in plan["layouts"] if row["layout"] == layout)  # type: ignore[no-any-return]
-
-
 def predicted_knees(plans: dict[str, dict[str, Any]], layout: str) -> list[float]:
     """The layout's predicted knee (req/s) under each SLO, from the plans of one workload by SLO tag."""
     return [predicted(plan, layout)["goodput"] for plan in plans.values()]
@@ -233,57 +232,6 @@ def pair_rates(plans: dict[str, dict[str, Any]], layout: str, setup: Setup) -> l
     knees = [k for k in predicted_knees(plans, layout) if k > 0]
     best = max(row["goodput"] for plan in plans.values() for row in plan["layouts"])
     return choose_rates(knees or [best or setup.min_rate / RATE_SPAN[0]], setup)
-
-
-# --- files of a pair -------------------------------------------------------------------------------------------------
-
-
-def pair_dir(out: Path, layout: str) -> Path:
-    return out / "sweeps" / layout_tag(layout)
-
-
-def summary_path(out: Path, layout: str, workload: str) -> Path:
-    return pair_dir(out, layout) / f"{workload}.json"
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())  # type: ignore[no-any-return]
-    except (OSError, ValueError):
-        return None
-
-
-def pair_done(out: Path, layout: str, workload: str) -> bool:
-    doc = read_json(summary_path(out, layout, workload)) or {}
-    return bool(doc.get("bench_goodput", {}).get("complete"))
-
-
-def layout_error(out: Path, layout: str) -> str | None:
-    return (read_json(pair_dir(out, layout) / "error.json") or {}).get("error")
-
-
-def remaining_pairs(out: Path, layouts: Sequence[str], workloads: Sequence[str]) -> list[tuple[str, str]]:
-    """(layout, workload) pairs not done, in table order, those of layouts that failed to run last."""
-    pairs = [(layout, w) for layout in layouts for w in workloads if not pair_done(out, layout, w)]
-    return sorted(pairs, key=lambda pair: layout_error(out, pair[0]) is not None)
-
-
-def measured_rates(out: Path, layout: str, workload: str) -> dict[float, Path]:
-    """The rates whose detailed JSON is in the pair's folder."""
-    found = {}
-    for path in pair_dir(out, layout).glob(f"{workload}.rate-*.json"):
-        doc = read_json(path)
-        if doc is not None and "requests" in doc:
-            found[float(doc["request_rate"])] = path
-    return found
-
-
-def merge_rates(out: Path, layout: Layout, workload: str, slo: dict[str, float]) -> dict[str, Any]:
-    """The pair's summary (sweep_run.sweep_report's shape) from its rates' JSONs, scored under slo."""
-    docs = [json.loads(p.read_text()) for _, p in sorted(measured_rates(out, layout.name, workload).items())]
-    runs = [{k: d[k] for k in RATE_KEYS} for d in docs]
-    sweep = summary(runs, slo, layout.num_gpus, layout.name, DEFAULT_TARGET)
-    return {"config": docs[0]["config"], "sweep": sweep, "runs": runs}
 
 
 # --- measuring -------------------------------------------------------------------------------------------------------
@@ -430,128 +378,6 @@ def rescore_pair(ctx: Context, layout: Layout, workload: str, loosest: str, comm
         rescored[tag] = rescore(path, slo) | {"bench_goodput": {**ctx.header, "commands": [*commands, command]}}
         write_json(dest, rescored[tag])
     return rescored
-
-
-# --- the table -------------------------------------------------------------------------------------------------------
-
-
-def measured_cell(sweep: dict[str, Any], predicted_per_gpu: float) -> dict[str, Any]:
-    """A layout's measured goodput per GPU from its rescored sweep: the interpolated knee / GPUs where measured
-    rates lie on either side of it ("="), the highest rate where it met the SLO (">="), the lowest rate where no
-    rate did ("<"); the planner's error where bracketed."""
-    knee, rows, gpus = sweep["knee"], sweep["rates"], sweep["num_gpus"]
-    if knee["rate"] is None:
-        bound, per_gpu = "<", rows[0]["request_rate"] / gpus
-    elif knee["rate"] == rows[-1]["request_rate"]:
-        bound, per_gpu = ">=", knee["rate"] / gpus
-    else:
-        bound, per_gpu = "=", knee["interpolated"] / gpus
-    error = (predicted_per_gpu - per_gpu) / per_gpu if bound == "=" and per_gpu > 0 else None
-    return {"bound": bound, "goodput_per_gpu": per_gpu, "knee_rate": knee["rate"], "prediction_error": error,
-            "rates": [[r["request_rate"], r["slo_attainment"]] for r in rows]}  # fmt: skip
-
-
-def table_cell(out: Path, layout: Layout, workload: str, tag: str, plan: dict[str, Any]) -> dict[str, Any]:
-    """One row of a workload x SLO table: the prediction, and the measurement or why there is none."""
-    row = {"layout": layout.name, "kind": layout.kind, "predicted_goodput_per_gpu": predicted(plan, layout.name)
-           ["goodput_per_gpu"]}  # fmt: skip
-    doc = read_json(pair_dir(out, layout.name) / f"{workload}.{tag}.json")
-    if doc is None:
-        error = layout_error(out, layout.name)
-        return row | {"status": f"failed: {error}" if error else "not run"}
-    status = "done" if pair_done(out, layout.name, workload) else "partial"
-    return row | {"status": status, "gpu": doc["bench_goodput"]["gpu"]} | measured_cell(doc["sweep"], row[
-        "predicted_goodput_per_gpu"])  # fmt: skip
-
-
-def rank(row: dict[str, Any], key: str) -> float:
-    """The row's value of key; a "<" measurement (no rate met the SLO) ranks as 0."""
-    return 0.0 if row.get("bound") == "<" else float(row[key])
-
-
-def best(rows: list[dict[str, Any]], key: str, kind: str | None = None) -> dict[str, Any] | None:
-    """The row of the highest key among those of kind that have one, or None."""
-    return max((r for r in rows if r.get(key) is not None and kind in (None, r["kind"])),
-               key=lambda r: rank(r, key), default=None)  # fmt: skip
-
-
-def ratio(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
-    """The best disaggregated and best colocated row by key, and the ratio of their values."""
-    col, dis = best(rows, key, "colocated"), best(rows, key, "disaggregated")
-    top = rank(col, key) if col else 0.0
-    return {"best_colocated": col and col["layout"], "best_disaggregated": dis and dis["layout"],
-            "ratio": rank(dis, key) / top if dis and top > 0 else None}  # fmt: skip
-
-
-def build_table(out: Path, layouts: list[Layout], ctx_plans: dict[str, dict[str, dict[str, Any]]],
-                slos: dict[str, dict[str, float]], header: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-    """table.json: per workload x SLO, every layout's row, the planner's choice and the two ratios."""
-    tables, commands = [], [inv["command"] for inv in (read_json(out / "run.json") or {}).get("invocations", [])]
-    for workload, plans in ctx_plans.items():
-        for tag, plan in plans.items():
-            rows = [table_cell(out, layout, workload, tag, plan) for layout in layouts]
-            chosen = plan["recommended"]
-            tables.append({
-                "workload": workload, "lengths": plan["workload"], "slo": tag, "slos_ms": slos[tag], "rows": rows,
-                "recommended": chosen,
-                "recommended_predicted_per_gpu": chosen and predicted(plan, chosen)["goodput_per_gpu"],
-                "measured_best": (best(rows, "goodput_per_gpu") or {}).get("layout"),
-                "measured": ratio(rows, "goodput_per_gpu"), "predicted": ratio(rows, "predicted_goodput_per_gpu"),
-            })  # fmt: skip
-            commands.append(plan["command"])
-            for layout in layouts:
-                doc = read_json(pair_dir(out, layout.name) / f"{workload}.{tag}.json") or {}
-                commands += doc.get("bench_goodput", {}).get("commands", [])
-    gpus = sorted({r["gpu"] for t in tables for r in t["rows"] if "gpu" in r})
-    complete = all(r["status"] == "done" for t in tables for r in t["rows"])
-    return {**header, "measured_on": gpus, "complete": complete, "tables": tables,
-            "commands": list(dict.fromkeys(commands))}  # fmt: skip
-
-
-def fmt(value: float | None, spec: str = ".3g") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def row_md(r: dict[str, Any]) -> str:
-    predicted = fmt(r["predicted_goodput_per_gpu"])
-    if "bound" not in r:
-        return f"| {r['layout']} | {r['status']} | | {predicted} | | |"
-    bound = "" if r["bound"] == "=" else r["bound"] + " "
-    rates = ", ".join(f"{rate:g}: {a:.0%}" for rate, a in r["rates"]) + ("" if r["status"] == "done" else " (partial)")
-    return (f"| {r['layout']} | {bound}{fmt(r['goodput_per_gpu'])} | {fmt(r['knee_rate'], 'g')} | {predicted} | "
-            f"{fmt(r['prediction_error'], '+.0%')} | {rates} |")  # fmt: skip
-
-
-TABLE_HEAD = ("| layout | measured req/s/GPU | highest rate met | predicted req/s/GPU | error | rate: attainment |",
-              "|---|---|---|---|---|---|")  # fmt: skip
-TABLE_NOTE = (
-    "Goodput: the rate at which 90% of requests meet every SLO, interpolated between the measured rates, per GPU "
-    "(>=: every rate measured met it; <: none did). Error: (predicted - measured) / measured."
-)
-
-
-def table_md(table: dict[str, Any]) -> str:
-    """table.md: one table per workload and SLO, then every command."""
-    settings = table["settings"]
-    lines = [f"# Goodput per GPU on {table['num_gpus']} GPUs", "",
-             f"Measured on {', '.join(table['measured_on']) or 'nothing yet'}; profile {table['profile']} "
-             f"({table['profile_gpu']}); written on {table['gpu']} {table['date']}; complete: {table['complete']}. "
-             f"Each rate: {settings['warmup_s']:g} s warm-up, {settings['duration_s']:g} s window.",
-             "", TABLE_NOTE]  # fmt: skip
-    for t in table["tables"]:
-        slos = ", ".join(f"{k} <= {v:g} ms" for k, v in t["slos_ms"].items())
-        w = t["lengths"]
-        lines += ["", f"## {t['workload']}, {slos}", "", f"Mean {w['mean_input_len']:.0f} in / "
-                  f"{w['mean_output_len']:.0f} out (prompts cut to {w['max_model_len']} tokens with their output).",
-                  "", *TABLE_HEAD, *(row_md(r) for r in t["rows"]), ""]  # fmt: skip
-        m, p = t["measured"], t["predicted"]
-        chosen = f"{t['recommended']} ({fmt(t['recommended_predicted_per_gpu'])}/GPU predicted)"
-        lines.append(f"Planner recommends {chosen if t['recommended'] else 'none: no layout meets the SLO'}; "
-                     f"measured best: {t['measured_best'] or 'not run'}.")  # fmt: skip
-        lines.append(f"Best disaggregated / best colocated: measured {m['best_disaggregated']} / "
-                     f"{m['best_colocated']} = {fmt(m['ratio'], '.2f')}; predicted {p['best_disaggregated']} / "
-                     f"{p['best_colocated']} = {fmt(p['ratio'], '.2f')}.")  # fmt: skip
-    return "\n".join([*lines, "", "## Commands", "", "```", *table["commands"], "```", ""])
 
 
 # --- the run ---------------------------------------------------------------------------------------------------------
