@@ -73,13 +73,11 @@ def num_prefill_workers(flags: list[str]) -> int:
 class Cluster:
     """pdserve-cluster (router/cluster_cli.py) in the background, on one GPU."""
 
-    def __init__(
-        self, model: Path, run_dir: Path, flags: list[str], log: Path, port: int = PORT, device: str = DEVICE
-    ) -> None:
+    def __init__(self, model: Path, run_dir: Path, flags: list[str], log: Path) -> None:
         self.run_dir = run_dir
         self.num_prefill = num_prefill_workers(flags)
-        argv = [sys.executable, "-m", "pdserve.router.cluster_cli", "--model", str(model), "--device", device]
-        argv += ["--port", str(port), "--run-dir", str(run_dir), *flags]
+        argv = [sys.executable, "-m", "pdserve.router.cluster_cli", "--model", str(model), "--device", DEVICE]
+        argv += ["--port", str(PORT), "--run-dir", str(run_dir), *flags]
         self.log = log
         self.proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
