@@ -183,7 +183,8 @@ def test_smoke_measures_two_layouts_in_two_lanes_on_cpu_and_a_second_call_has_no
     assert "--lane-gpus cpu-0,cpu-1" in proc.stdout and "--lane-gpus cpu-2,cpu-3" in proc.stdout
     table = json.loads((out / "table.json").read_text())
     assert table["complete"] is True and table["gpu"] == "cpu" and table["measured_on"] == ["cpu"]
-    assert [t["slo"] for t in table["tables"]] == ["ttft2000-tpot50", "ttft1500-tpot25", "ttft1000-tpot15"]
+    slos = ["ttft2000-tpot50", "ttft1500-tpot25", "ttft1000-tpot15", "ttft1000-itl_p99_10"]
+    assert [t["slo"] for t in table["tables"]] == slos
     for t in table["tables"]:
         assert [r["layout"] for r in t["rows"]] == ["colocated-c512", "1P:1D"]
         for row in t["rows"]:
@@ -231,3 +232,16 @@ def test_lanes_split_layouts_by_planned_seconds_and_name_their_gpus(script: Any)
     child = lanes.child_argv("bench_goodput.py", argv, ["1P:1D"], ["u0", "u1"], 480.4)
     assert child[1:] == ["bench_goodput.py", "--profile", "p.json", "--out", "o", "--layouts", "1P:1D",
                          "--lane-gpus", "u0,u1", "--deadline-s", "480"]  # fmt: skip
+
+
+def test_report_writes_the_planned_table_without_a_gpu(tmp_path: Path) -> None:
+    profile, out = smoke_profile(tmp_path), tmp_path / "out"
+    argv = [sys.executable, str(SCRIPT), "--profile", str(profile), "--gpus", "2", "--out", str(out), "--report"]
+    proc = subprocess.run([*argv, "--workloads", "chat"], capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 1, proc.stderr[-4000:]  # NOTE: nothing measured: the table is incomplete
+    table = json.loads((out / "table.json").read_text())
+    assert table["complete"] is False and len(table["tables"]) == 4
+    assert all(
+        r["status"] == "not run" and r["predicted_goodput_per_gpu"] >= 0 for t in table["tables"] for r in t["rows"]
+    )
+    assert sorted(p.name for p in (out / "plans").iterdir())[-1] == "chat.ttft2000-tpot50.json"
