@@ -492,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
     if setup.device == "cuda" and not args.report and len(host_gpus()) < num_gpus:
         print(f"needs {num_gpus} GPUs, nvidia-smi lists {host_gpus()} (--smoke runs on CPU)", file=sys.stderr)
         return 2
+    if setup.device == "cuda" and not args.report and gpu_name() != profile.gpu:
+        print(f"{args.profile} profiles {profile.gpu}, this host has {gpu_name()}: profile this GPU first "
+              "(scripts/profile_layout.py)", file=sys.stderr)  # fmt: skip
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings, header = call_settings(args, setup, num_gpus, slos), call_header(setup, argv)
