@@ -35,13 +35,14 @@ NOTE: NVLink multicast stays off in everything started here (bench_tp_serving.MU
 takes half the device time.
 
 A device call (carry .whl, the profile and --out without its *.rate-*.json; the tool sends at most 64 MiB and
-returns at most 8 files of 16 MiB, and one call's rate files came to 20 MB gzipped): after the run,
+returns at most 8 files of 16 MiB, and one call's --out came to 20 MB gzipped): after the run,
 
-    cd bench/out && tar czf $OUT/goodput.tar.gz --exclude='*.rate-*.json' goodput-2gpu &&
+    cd bench/out && tar cJf - --exclude='*.rate-*.json' goodput-2gpu | split -b 15m -d - $OUT/goodput.tar.xz. &&
     find goodput-2gpu -name '*.rate-*.json' | tar cJf - -T - | split -b 15m -d - $OUT/rates.tar.xz.
 
-and here `tar xzf goodput.tar.gz -C bench/out; cat rates.tar.xz.* | tar xJf - -C bench/out-rates`: the rate files
-are needed only to rescore under another SLO (copy them in first) or to resume a pair stopped between two rates.
+and here `cat goodput.tar.xz.* | tar xJf - -C bench/out; cat rates.tar.xz.* | tar xJf - -C bench/out-rates`: the
+rate files are needed only to rescore under another SLO (copy them in first) or to resume a pair stopped between
+two rates.
 """
 
 from __future__ import annotations
