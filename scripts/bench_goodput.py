@@ -453,6 +453,20 @@ def run_in_lanes(
     goodput_lanes.run_lanes(argvs, gpus[: len(groups)], out / "logs", left)
 
 
+def host_problem(args: argparse.Namespace, setup: Setup, profile: Profile, num_gpus: int) -> str | None:
+    """Why this host cannot measure the table (too few GPUs, not the profile's GPU), or None."""
+    if setup.device != "cuda" or args.report:
+        return None
+    if len(host_gpus()) < num_gpus:
+        return f"needs {num_gpus} GPUs, nvidia-smi lists {host_gpus()} (--smoke runs on CPU)"
+    if gpu_name() != profile.gpu:
+        return (
+            f"{args.profile} profiles {profile.gpu}, this host has {gpu_name()}: profile this GPU first "
+            "(scripts/profile_layout.py)"
+        )
+    return None
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", required=True, help="the planner's profile of this GPU (scripts/profile_layout.py)")
@@ -490,12 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     layouts = [x for x in layouts if x.name in names]
     workloads = (args.workloads or ("chat" if args.smoke else ",".join(WORKLOADS))).split(",")
     slos = {slo_tag(s): s for s in map(plan_cli.parse_slo, args.slos)}
-    if setup.device == "cuda" and not args.report and len(host_gpus()) < num_gpus:
-        print(f"needs {num_gpus} GPUs, nvidia-smi lists {host_gpus()} (--smoke runs on CPU)", file=sys.stderr)
-        return 2
-    if setup.device == "cuda" and not args.report and gpu_name() != profile.gpu:
-        print(f"{args.profile} profiles {profile.gpu}, this host has {gpu_name()}: profile this GPU first "
-              "(scripts/profile_layout.py)", file=sys.stderr)  # fmt: skip
+    if problem := host_problem(args, setup, profile, num_gpus):
+        print(problem, file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -518,11 +528,10 @@ def main(argv: list[str] | None = None) -> int:
         run_in_lanes(argv, setup, plans, layouts, pairs, deadline, lanes, out)
     elif pairs and not args.report:
         scratch = Path(tempfile.mkdtemp(prefix="pdserve-goodput-"))
-        model = Path(args.model) if args.model else write_model(setup, scratch / "model")
-        lane = tuple(args.lane_gpus.split(",")) if args.lane_gpus else ()
-        ctx = Context(setup, out, profile, model, scratch, deadline, slos, plans, header, lane)
         try:
-            run_pairs(ctx, layouts, pairs)
+            model = Path(args.model) if args.model else write_model(setup, scratch / "model")
+            lane = tuple(args.lane_gpus.split(",")) if args.lane_gpus else ()
+            run_pairs(Context(setup, out, profile, model, scratch, deadline, slos, plans, header, lane), layouts, pairs)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     if args.lane_gpus:
