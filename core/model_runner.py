@@ -20,13 +20,21 @@ from pdserve.core.decode_batch import DecodeBatch
 from pdserve.core.messages import RankDecodeCmd, RankPassCmd
 from pdserve.core.models import interleave_mlp_weights, load_model
 from pdserve.core.parallel import tp_group
-from pdserve.core.prefill_graphs import PREFILL_GRAPH_SEQS, HostInputs, PrefillGraphs
+from pdserve.core.prefill_graphs import PrefillGraphs
+from pdserve.core.prefill_staging import PREFILL_GRAPH_SEQS, HostInputs
 from pdserve.core.rank_pass import copies_of, decode_cmd, host_inputs, pass_cmd, stage_decode
 from pdserve.core.request import Request
 from pdserve.core.sampler import SamplingState
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.scheduler import ScheduledChunk, StepPlan
-from pdserve.kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, TorchAttention
+from pdserve.kernels.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    MixedSplit,
+    OutputRows,
+    TorchAttention,
+    num_leading_decodes,
+)
 from pdserve.kernels.pass_inputs import token_positions_slots
 from pdserve.kernels.split_policy import SPLIT_MAX_TOKENS, SPLIT_MIN_PREFIX
 
@@ -70,8 +78,8 @@ def make_backend(cfg: EngineConfig, device: torch.device) -> AttentionBackend:
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         from pdserve.kernels.triton_backend import TritonAttention
 
-        # NOTE: a graphed prefill pass attends its PREFILL_GRAPH_SEQS logits rows as a decode batch
-        return TritonAttention(max_batch=max(cfg.scheduler.max_num_seqs, PREFILL_GRAPH_SEQS))
+        # NOTE: a graphed prefill pass attends its logits rows (decode slots + chunk slots) as a decode batch
+        return TritonAttention(max_batch=cfg.scheduler.max_num_seqs + PREFILL_GRAPH_SEQS)
     return TorchAttention()
 
 
@@ -211,7 +219,10 @@ class ModelRunner:
     def _capture_prefill_graphs(self, max_blocks: int) -> PrefillGraphs:
         max_tokens = self.cfg.scheduler.max_num_batched_tokens
         block_size = self.cfg.cache.block_size
-        graphs = PrefillGraphs(self._prefill_forward, self.backend, max_tokens, max_blocks, block_size, self.device)
+        decode_slots = self.cfg.scheduler.max_num_seqs if self.cfg.capture_decode else 0  # a decode worker's
+        graphs = PrefillGraphs(
+            self._prefill_forward, self.backend, max_tokens, max_blocks, block_size, self.device, decode_slots
+        )
         graphs.capture()
         return graphs
 
@@ -250,6 +261,8 @@ class ModelRunner:
                 self.execute(StepPlan(chunks=[chunk(n) for _ in range(num_seqs)]))
             if n <= SPLIT_MAX_TOKENS and SPLIT_MIN_PREFIX + n <= max_len:  # a split pass (kernels/prefill_splits.py)
                 self.execute(StepPlan(chunks=[chunk(n, SPLIT_MIN_PREFIX)]))
+        # an eager pass led by a decode (kernels/attention.py MixedSplit: the decode kernel on q rotated already)
+        self.execute(StepPlan(chunks=[chunk(1, 1)] + [chunk(16) for _ in range(PREFILL_GRAPH_SEQS + 1)]))
         self.num_forward_calls = self.num_forward_tokens = 0
 
     @torch.inference_mode()
@@ -297,8 +310,9 @@ class ModelRunner:
 
     def _run_pass(self, host: HostInputs) -> torch.Tensor:  # [num_sampling, vocab] float32
         graphs = self.prefill_graphs
-        if graphs is not None and graphs.fits(len(host.ids), len(host.seq_lens), host.tables.shape[1]):
-            return graphs.run(host)
+        num_decodes = None if graphs is None else graphs.decodes_if_fits(host)
+        if graphs is not None and num_decodes is not None:
+            return graphs.run(host, num_decodes)
         dev = self._to_device(host)
         self.backend.prepare(dev.meta)
         return self._prefill_forward(dev.ids, dev.positions, dev.meta)
@@ -355,17 +369,25 @@ class ModelRunner:
         tables[:, : host.tables.shape[1]] = host.tables
         row_seq_lens, row_tables = host.seq_lens[rows], tables[rows]
         row_starts = np.arange(len(rows) + 1, dtype=np.int32)
+        query_lens = np.diff(host.query_start).tolist()
+        d = num_leading_decodes(query_lens)
         parts = [host.query_start, host.seq_lens, tables.ravel(), row_starts, row_seq_lens, row_tables.ravel()]
+        parts += [host.query_start[d:], host.seq_lens[d:]] if d else []  # NOTE: the chunks' own, 16-byte aligned
         ints_np, offsets = _packed(parts)
         ints = torch.from_numpy(ints_np).to(self.device, non_blocking=True)
-        q_start, lens, tables_dev, row_start, row_lens, row_tables_dev = (
+        q_start, lens, tables_dev, row_start, row_lens, row_tables_dev, *chunk_parts = (
             ints[at : at + len(part)] for part, at in zip(parts, offsets, strict=True)
         )
-        query_lens = np.diff(host.query_start).tolist()
+        tables_dev = tables_dev.view(-1, width)
         slots = longs[slots_at : slots_at + n]
-        meta = self._meta(q_start, lens, tables_dev.view(-1, width), query_lens, host.seq_lens, slots)
+        meta = self._meta(q_start, lens, tables_dev, query_lens, host.seq_lens, slots)
         row_meta = self._meta(row_start, row_lens, row_tables_dev.view(-1, width), [1] * len(rows), row_seq_lens, None)
         meta.rows = OutputRows(longs[rows_at : rows_at + len(rows)], row_meta)
+        if d:
+            decodes = self._meta(q_start[: d + 1], lens[:d], tables_dev[:d], [1] * d, host.seq_lens[:d], None)
+            chunk_starts, chunk_lens = chunk_parts
+            chunks = self._meta(chunk_starts, chunk_lens, tables_dev[d:], query_lens[d:], host.seq_lens[d:], None)
+            meta.mixed = MixedSplit(decodes, chunks)
         return DevicePass(longs[ids_at : ids_at + n], longs[pos_at : pos_at + n], meta)
 
     def _meta(

@@ -12,7 +12,7 @@ import numpy as np
 
 from pdserve.core.decode_batch import DecodeBatch
 from pdserve.core.messages import RankDecodeCmd, RankPassCmd
-from pdserve.core.prefill_graphs import HostInputs
+from pdserve.core.prefill_staging import HostInputs
 
 HOST_DTYPES = (np.int64, np.int64, np.int32, np.int32, np.int32, np.int64)
 """The dtypes of HostInputs' fields, in order."""

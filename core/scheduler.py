@@ -66,6 +66,9 @@ class Scheduler:
         budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
         if not plan.preempted:
             self._schedule_waiting(plan, budget)
+        # NOTE: decodes (one-token chunks) lead the pass, the attention backend's mixed split (kernels/attention.py
+        # MixedSplit) runs them as a decode batch; a stable sort keeps each group's order
+        plan.chunks.sort(key=lambda c: c.num_tokens != 1)
         return plan
 
     def _chunk_len(self, req: Request, budget: int) -> int:

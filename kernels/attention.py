@@ -11,6 +11,7 @@ its seq_lens[i] tokens, and attend causally to everything before them (cached pr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -43,6 +44,8 @@ class AttentionMetadata:
     """[num_tokens] int64 positions of the new tokens; required when slot_mapping is None."""
     rows: OutputRows | None = None
     """The only tokens the pass needs out of its last layer (its sampling rows); None: every token."""
+    mixed: MixedSplit | None = None
+    """The pass's leading one-token sequences apart from its prefill chunks; None: not split."""
     plan: Any = field(default=None)
     """Backend-specific precomputation, filled once per pass by AttentionBackend.prepare."""
 
@@ -76,6 +79,20 @@ class OutputRows:
     """[num_rows] int64: the rows' places among the pass's new tokens."""
     meta: AttentionMetadata
     """The rows as a decode batch: one query each, at the last of its sequence's seq_lens tokens."""
+
+
+class MixedSplit(NamedTuple):
+    """A pass whose first sequences bring one new token each (decodes) ahead of its prefill chunks.
+
+    A backend may attend the decodes as a decode batch and the chunks alone as a prefill pass, so a decode
+    reads its context once instead of being a prefill tile over it. The decodes own the pass's first
+    decodes.num_seqs token rows (a graph's slots past its real decodes have seq_len 0: they give zero rows,
+    which the chunks' attention, run after them, overwrites); chunks.query_start_loc holds rows of the whole
+    pass. Backends that attend every sequence alike (TorchAttention) ignore it.
+    """
+
+    decodes: AttentionMetadata
+    chunks: AttentionMetadata
 
 
 class Rope(NamedTuple):
@@ -215,6 +232,12 @@ class TorchAttention:
         out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=plan.mask, scale=scale)
         out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [batch * max_query, heads, head_dim]
         return out[plan.query_rows]
+
+
+def num_leading_decodes(query_lens: Sequence[int]) -> int:
+    """Sequences with one new token each at the start of a pass that also has longer ones (else 0)."""
+    d = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+    return d if d < len(query_lens) else 0
 
 
 def decode_slots(meta: AttentionMetadata) -> torch.Tensor:  # [batch] int64

@@ -1,7 +1,8 @@
 """The Triton attention backend: KV append, paged decode attention and paged prefill attention on CUDA.
 
-A pass whose sequences each bring one new token (decode) runs the split-K decode kernel; any other pass
-(prefill chunks, or prefill and decode mixed) runs the varlen prefill kernel over cached prefix + new tokens.
+A pass whose sequences each bring one new token (decode) runs the split-K decode kernel; any other pass runs
+the varlen prefill kernel over cached prefix + new tokens. A mixed pass that says which of its sequences are
+decodes (AttentionMetadata.mixed) runs both: the decode kernel on those, then the prefill kernel on the chunks.
 Decode reads K/V from the paged cache only, after the append has written the new tokens; prefill reads the
 cached prefix from the cache and the new tokens' K/V from the rows the model just computed. With rope, the
 append rotates K (into the cache, and a contiguous copy that prefill reads); in prefill it rotates q too (the
@@ -49,10 +50,11 @@ class TritonAttention:
         self._prefill_workspace: PrefillWorkspace | None = None
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        max_q = meta.max_query_len
-        decode = max_q == 1 and min(meta.query_lens) == 1
-        num_splits = 1 if decode else choose_num_splits(sum(meta.query_lens), meta.max_prefix_len)
-        meta.plan = _TritonPlan(decode, max_q, num_splits)
+        chunks = meta if meta.mixed is None else meta.mixed.chunks
+        decode = meta.mixed is None and meta.max_query_len == 1 and min(meta.query_lens) == 1
+        # NOTE: the whole pass's token count: a split's workspace holds its rows, which count the decodes' too
+        num_splits = 1 if decode else choose_num_splits(sum(meta.query_lens), chunks.max_prefix_len)
+        meta.plan = _TritonPlan(decode, chunks.max_query_len, num_splits)
 
     def forward(
         self,
@@ -75,9 +77,19 @@ class TritonAttention:
             )
         assert meta.slot_mapping is not None, "a prefill pass needs slot_mapping"
         k, q_rot = append_kv(k, v, kv_cache, meta.slot_mapping, positions, rope=tables, q=q if rope else None)
+        q = q if q_rot is None else q_rot
+        chunks, out = meta, None
+        if meta.mixed is not None:  # the decodes first: their padding slots' zero rows are the chunks' to overwrite
+            decodes, chunks = meta.mixed
+            out = torch.empty_like(q)
+            rows = slice(0, decodes.num_seqs)
+            paged_decode_attention(
+                q[rows], kv_cache, decodes.block_tables, decodes.seq_lens, scale, out=out[rows],
+                num_splits=ROWS_NUM_SPLITS, workspace=self._decode_workspace(q[rows]),
+            )  # fmt: skip
         return paged_prefill_attention(
-            q if q_rot is None else q_rot, k, v, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-            plan.max_query_len, scale, num_splits=plan.num_splits, workspace=self._prefill_split_workspace(q),
+            q, k, v, kv_cache, chunks.block_tables, chunks.query_start_loc, chunks.seq_lens, plan.max_query_len,
+            scale, out=out, num_splits=plan.num_splits, workspace=self._prefill_split_workspace(q),
         )  # fmt: skip
 
     def forward_rows(

@@ -14,10 +14,12 @@ import torch
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.core.decode_batch import DecodeBatch
 from pdserve.core.engine import Engine
+from pdserve.core.prefill_staging import HostInputs
 from pdserve.core.request import Request
 from pdserve.core.sampler import SamplingState
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.scheduler import ScheduledChunk, StepPlan
+from pdserve.kernels.attention import AttentionMetadata
 from tests.hf_reference import random_prompts
 from tests.passes import every_row_logits, prompt_plan
 
@@ -80,6 +82,47 @@ def test_cuda_fp32_greedy_matches_hf_on_gpu(family: str, mode: str, request: pyt
     plan = fresh.scheduler.schedule()
     ours = fresh.runner.execute(plan)[0].cpu()
     torch.testing.assert_close(ours, first_logits[4], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_mixed_passes_split_their_decodes_and_match_hf(tiny_llama_dir: Path, eager: bool) -> None:
+    """A decode worker's passes of prompt chunks beside running decodes run the decodes on the decode kernel (a
+    prefill graph's decode slots, or an eager split): tokens equal transformers and no block leaks."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = EngineConfig(
+        ModelConfig.from_pretrained(tiny_llama_dir),
+        CacheConfig(num_blocks=256),
+        SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=64, prefill_chunk_size=16),
+        device="cuda",
+        attention_backend="triton",
+        enforce_eager=eager,
+    )
+    engine = Engine(cfg)
+    splits: list[int] = []  # decodes of each mixed pass
+    if eager:
+        prepare = engine.runner.backend.prepare
+
+        def spy(meta: AttentionMetadata) -> None:
+            if meta.mixed is not None:
+                splits.append(meta.mixed.decodes.num_seqs)
+            prepare(meta)
+
+        engine.runner.backend.prepare = spy  # type: ignore[method-assign]
+    else:
+        graphs = engine.runner.prefill_graphs
+        assert graphs is not None and graphs.staging.decode_slots == 12
+        run = graphs.run
+
+        def spy_run(host: HostInputs, num_decodes: int) -> torch.Tensor:
+            splits.append(num_decodes)
+            return run(host, num_decodes)
+
+        graphs.run = spy_run  # type: ignore[method-assign]
+    prompts = random_prompts(1024, (70, 3, 40, 9, 1, 55, 100, 20, 33, 5), seed=49)
+    expected, _ = hf_greedy_cuda(tiny_llama_dir, prompts)
+    assert engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)) == expected
+    assert max(splits) >= 4  # passes of several decodes beside a chunk ran this way
+    assert engine.pool.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])

@@ -7,15 +7,17 @@ GPU tests run on CUDA; the same comparison runs on CPU under the Triton interpre
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
 
-from pdserve.kernels.attention import AttentionMetadata, OutputRows, Rope, TorchAttention
+from pdserve.kernels.attention import AttentionMetadata, MixedSplit, OutputRows, Rope, TorchAttention
 from pdserve.kernels.rope_tiles import RopeTables, rope_ref_one
 from tests.child_env import child_env
 
@@ -98,6 +100,52 @@ def with_rows(p: Pass, seqs: list[int]) -> Pass:
     return p._replace(meta=meta)
 
 
+def with_mixed(p: Pass, num_decodes: int, padding: int) -> Pass:
+    """The pass with its first num_decodes sequences handed over as a decode batch: as an eager pass does
+    (padding 0), or as a prefill graph's decode slots do (`padding` slots of length 0 after them)."""
+    m, d = p.meta, num_decodes
+    dev, width = m.seq_lens.device, m.block_tables.shape[1]
+    slots = d + padding
+    decodes = AttentionMetadata(
+        slot_mapping=None,
+        query_start_loc=torch.arange(slots + 1, dtype=torch.int32, device=dev).clamp(max=d),
+        seq_lens=torch.cat([m.seq_lens[:d], torch.zeros(padding, dtype=torch.int32, device=dev)]),
+        block_tables=torch.cat([m.block_tables[:d], torch.zeros(padding, width, dtype=torch.int32, device=dev)]),
+        query_lens=[1] * slots,
+        seq_lens_cpu=m.seq_lens_cpu[:d] + [0] * padding,
+        block_size=m.block_size,
+    )
+    chunks = AttentionMetadata(
+        slot_mapping=None,
+        query_start_loc=m.query_start_loc[d:],  # rows of the whole pass
+        seq_lens=m.seq_lens[d:],
+        block_tables=m.block_tables[d:],
+        query_lens=m.query_lens[d:],
+        seq_lens_cpu=m.seq_lens_cpu[d:],
+        block_size=m.block_size,
+    )
+    return p._replace(meta=AttentionMetadata(**{**vars(m), "mixed": MixedSplit(decodes, chunks), "plan": None}))
+
+
+@contextlib.contextmanager
+def decode_kernel_batches() -> Iterator[list[int]]:
+    """The batch size of every call the Triton backend makes to the decode kernel inside the block."""
+    from pdserve.kernels import triton_backend
+
+    batches: list[int] = []
+    kernel = triton_backend.paged_decode_attention
+
+    def counted(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        batches.append(q.shape[0])
+        return kernel(q, *args, **kwargs)
+
+    triton_backend.paged_decode_attention = counted  # type: ignore[assignment]
+    try:
+        yield batches
+    finally:
+        triton_backend.paged_decode_attention = kernel
+
+
 def run_backend(backend: object, p: Pass, tables: RopeTables, rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(attention output, cache after the append) of one backend on a copy of the pass's cache."""
     meta = AttentionMetadata(**{**vars(p.meta), "plan": None})
@@ -118,15 +166,25 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_backends(dtype: torch.dtype, dims: tuple[int, int, int, int], device: str, seed: int) -> None:
-    """Triton backend == torch backend with rope: prefill (mixed), decode and last-layer rows passes."""
+    """Triton backend == torch backend with rope: prefill, decode, last-layer rows and mixed passes (the decodes
+    split off, as an eager pass or a prefill graph hands them over)."""
     from pdserve.kernels.triton_backend import TritonAttention
 
     tables = rope_tables(dims[2], 8192, device)
     prefill = make_pass([(0, 37), (40, 1), (16, 20), (5, 3)], dims, dtype, device, seed)
     decode = make_pass([(0, 1), (17, 1), (63, 1)], dims, dtype, device, seed + 1, decode=True)
-    passes = {"prefill": (prefill, False), "decode": (decode, False), "rows": (with_rows(prefill, [0, 2, 3]), True)}
-    for name, (p, rows) in passes.items():
-        out, cache = run_backend(TritonAttention(max_batch=8), p, tables, rows)
+    mixed = make_pass([(40, 1), (17, 1), (63, 1), (0, 37), (16, 20)], dims, dtype, device, seed + 2)
+    passes = {
+        "prefill": (prefill, False, []),
+        "decode": (decode, False, [3]),
+        "rows": (with_rows(prefill, [0, 2, 3]), True, [3]),
+        "mixed": (with_mixed(mixed, 3, padding=0), False, [3]),
+        "mixed, graph slots": (with_mixed(mixed, 3, padding=2), False, [5]),  # zero rows 3-4, then the chunk's
+    }
+    for name, (p, rows, decode_batches) in passes.items():
+        with decode_kernel_batches() as batches:
+            out, cache = run_backend(TritonAttention(max_batch=8), p, tables, rows)
+        assert batches == decode_batches, f"{name}: decode kernel batches {batches}"
         want, want_cache = run_backend(TorchAttention(), p, tables, rows)
         # K rotated in the append rounds as torch does: the caches are equal
         assert torch.equal(cache, want_cache), f"{name}: the caches differ"
