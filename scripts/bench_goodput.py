@@ -18,7 +18,10 @@ SLOs (whole-layout req/s; SLOs it predicts no knee for left out), geometrically 
 of them (Setup.num_rates), rounded to 3 significant digits; the lowest sends at least Setup.min_window_requests in
 the window. Where the planner predicts no knee for the layout, the best layout's knee stands in. After they are
 measured, while the highest rate still meets some SLO (at 90% attainment) one rate 1.6x above it is added, else
-while the lowest misses an SLO the planner predicts a knee for, one 1.6x below it; at most Setup.max_extra_rates.
+while the lowest misses an SLO the planner predicts a knee for, one 1.6x below it, else while some SLO's knee lies
+between two rates more than 1.3x apart, their geometric middle (the widest first); Setup.max_extra_rates in all.
+A rate measured by an earlier call whose detailed JSON is not in --out counts as its rescored summaries scored it
+(goodput_table.kept_runs), so --out without the rate files, as committed, goes on where it stopped.
 
 KV pools: each worker sizes its own from free memory, as profile_layout.py's engine did; in a layout with a shared
 GPU every worker gets a fixed pool of the planner's KV capacity for the decode worker there (half the profile's):
@@ -41,8 +44,8 @@ returns at most 8 files of 16 MiB, and one call's --out came to 20 MB gzipped): 
     find goodput-2gpu -name '*.rate-*.json' | tar cJf - -T - | split -b 15m -d - $OUT/rates.tar.xz.
 
 and here `cat goodput.tar.xz.* | tar xJf - -C bench/out; cat rates.tar.xz.* | tar xJf - -C bench/out-rates`: the
-rate files are needed only to rescore under another SLO (copy them in first) or to resume a pair stopped between
-two rates.
+rate files are needed only to rescore under another SLO (copy them in first). The 2-GPU table so far is committed
+without them: bench/results/goodput_2gpu_h200 (--out for the calls that go on with it).
 """
 
 from __future__ import annotations
@@ -80,13 +83,14 @@ from bench_tp_serving import (
 )
 from goodput_table import (
     build_table,
+    kept_runs,
     layout_tag,
-    measured_rates,
     merge_rates,
     pair_dir,
     predicted,
     read_json,
     remaining_pairs,
+    scored_rates,
     summary_path,
     table_md,
 )
@@ -106,6 +110,8 @@ RATE_SPAN = (0.7, 1.3)
 """The rates run from this multiple of the lowest predicted knee to this multiple of the highest."""
 RATE_STEP = 1.6
 """Largest ratio of two neighbouring rates, and of an added rate to the one it extends."""
+BRACKET_RATIO = 1.3
+"""A knee bracketed by rates farther apart than this gets a rate between them (narrow_rate), budget permitting."""
 RATE_OVERHEAD_S = 15.0
 """Seconds a rate takes beyond warm-up + window (+ drain, at most): the client's start, the cool-down, requests
 finishing after the window."""
@@ -142,7 +148,7 @@ class Setup:
     num_rates: tuple[int, int]
     """Fewest and most rates planned per pair."""
     max_extra_rates: int
-    """Rates added per pair where the planned ones do not bracket a knee."""
+    """Rates added per pair where the planned ones do not bracket a knee, or bracket one too widely."""
     min_window_requests: int
     """The lowest rate sends at least this many requests in the window."""
 
@@ -156,7 +162,7 @@ class Setup:
         return self.min_window_requests / self.duration_s
 
 
-GPU = Setup("cuda", "bfloat16", False, None, 128, tuple(WARMUP), 4, 300.0, 120.0, 10.0, 20.0, 30.0, (3, 5), 2, 20)
+GPU = Setup("cuda", "bfloat16", False, None, 128, tuple(WARMUP), 4, 300.0, 120.0, 10.0, 20.0, 30.0, (3, 5), 4, 20)
 SMOKE = Setup("cpu", "float32", True, 256, 16, tuple(SMOKE_WARMUP), 1, 120.0, 20.0, 1.0, 3.0, 20.0, (2, 2), 0, 4)
 
 
@@ -187,8 +193,9 @@ def choose_rates(knees: Sequence[float], setup: Setup) -> list[float]:
 
 def extra_rate(sweeps: Sequence[dict[str, Any]], knees: Sequence[float], planned: Sequence[float],
                setup: Setup) -> float | None:  # fmt: skip
-    """The next rate where the measured ones do not bracket the knees, or None. sweeps: the pair's summary rescored
-    under each SLO ("rates" rows with "slo_attainment"); knees: the planner's knee under each (0: none)."""
+    """The next rate where the measured ones do not bracket the knees, else one inside the widest bracket
+    (narrow_rate), or None. sweeps: the pair's summary rescored under each SLO ("rates" rows with
+    "slo_attainment"); knees: the planner's knee under each (0: none)."""
     measured = [row["request_rate"] for row in sweeps[0]["rates"]]
     if len([r for r in measured if r not in planned]) >= setup.max_extra_rates:
         return None
@@ -198,7 +205,24 @@ def extra_rate(sweeps: Sequence[dict[str, Any]], knees: Sequence[float], planned
     missed = any(s["rates"][0]["slo_attainment"] < target for s, k in zip(sweeps, knees, strict=True) if k > 0)
     if missed and measured[0] / RATE_STEP >= setup.min_rate:
         return round_rate(measured[0] / RATE_STEP)
-    return None
+    return narrow_rate(sweeps, measured)
+
+
+def narrow_rate(sweeps: Sequence[dict[str, Any]], measured: Sequence[float]) -> float | None:
+    """The geometric middle of the widest knee bracket (an SLO's highest rate met and the next rate measured, which
+    missed) that is wider than BRACKET_RATIO, or None: the knee lies anywhere in its bracket, so a bracket of 2x
+    would make any prediction within 2x look right."""
+    brackets = []
+    for s in sweeps:
+        met = [r["request_rate"] for r in s["rates"] if r["slo_attainment"] >= s["target_attainment"]]
+        above = [r for r in measured if met and r > max(met)]
+        if above and min(above) / max(met) > BRACKET_RATIO:
+            brackets.append((min(above) / max(met), max(met), min(above)))
+    if not brackets:
+        return None
+    _, low, high = max(brackets)
+    rate = round_rate(math.sqrt(low * high))
+    return rate if low < rate < high else None
 
 
 # --- the planner -----------------------------------------------------------------------------------------------------
@@ -327,7 +351,7 @@ def measure_pair(ctx: Context, layout: Layout, workload: str, address: str, comm
     plans, setup, out = ctx.plans[workload], ctx.setup, ctx.out
     planned, knees = pair_rates(plans, layout.name, setup), predicted_knees(plans, layout.name)
     loosest = list(ctx.slos)[knees.index(max(knees))]
-    todo = [rate for rate in planned if rate not in measured_rates(out, layout.name, workload)]
+    todo = [rate for rate in planned if rate not in scored_rates(out, layout.name, workload)]
     if not has_time(ctx, len(todo) * setup.rate_s + setup.drain_s, f"{layout.name} {workload} ({len(todo)} rates)"):
         return
     earlier = (read_json(summary_path(out, layout.name, workload)) or {}).get("bench_goodput", {})
@@ -371,14 +395,17 @@ def measure_rate(
 def rescore_pair(ctx: Context, layout: Layout, workload: str, loosest: str, commands: list[str]) -> dict[str, Any]:
     """The pair's summary (scored under the loosest SLO) and one rescored summary per SLO, written; the latter."""
     path = summary_path(ctx.out, layout.name, workload)
+    kept = {tag: kept_runs(ctx.out, layout.name, workload, tag) for tag in ctx.slos}  # NOTE: before rewriting
     header = {**ctx.header, "commands": commands, "complete": False}
-    write_json(path, merge_rates(ctx.out, layout, workload, ctx.slos[loosest]) | {"bench_goodput": header})
+    summ = merge_rates(ctx.out, layout, workload, ctx.slos[loosest], kept[loosest])
+    write_json(path, summ | {"bench_goodput": header})
     rescored = {}
     for tag, slo in ctx.slos.items():
         dest = path.with_name(f"{workload}.{tag}.json")
         argv = ["python", "-m", "pdserve.router.benchmark.rescore", str(path), "--goodput", *goodput_flags(slo)]
         command = shlex.join([*argv, "--out", str(dest)])
-        rescored[tag] = rescore(path, slo) | {"bench_goodput": {**ctx.header, "commands": [*commands, command]}}
+        doc = rescore(path, slo, kept[tag])
+        rescored[tag] = doc | {"bench_goodput": {**ctx.header, "commands": [*commands, command]}}
         write_json(dest, rescored[tag])
     return rescored
 

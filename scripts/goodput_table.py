@@ -68,12 +68,30 @@ def measured_rates(out: Path, layout: str, workload: str) -> dict[float, Path]:
     return found
 
 
-def merge_rates(out: Path, layout: Layout, workload: str, slo: dict[str, float]) -> dict[str, Any]:
-    """The pair's summary (sweep_run.sweep_report's shape) from its rates' JSONs, scored under slo."""
+def kept_runs(out: Path, layout: str, workload: str, tag: str) -> dict[float, dict[str, Any]]:
+    """The runs an earlier call scored under SLO `tag` whose rates' detailed JSONs are not here (a device call
+    carries --out without them; a later session has only what was committed): kept as they were scored."""
+    here = measured_rates(out, layout, workload)
+    doc = read_json(pair_dir(out, layout) / f"{workload}.{tag}.json") or {}
+    return {float(r["request_rate"]): r for r in doc.get("runs", []) if float(r["request_rate"]) not in here}
+
+
+def scored_rates(out: Path, layout: str, workload: str) -> set[float]:
+    """The pair's rates measured so far: those whose detailed JSON is here and those its summary lists."""
+    rows = ((read_json(summary_path(out, layout, workload)) or {}).get("sweep") or {}).get("rates", [])
+    return set(measured_rates(out, layout, workload)) | {float(r["request_rate"]) for r in rows}
+
+
+def merge_rates(
+    out: Path, layout: Layout, workload: str, slo: dict[str, float], kept: dict[float, dict[str, Any]]
+) -> dict[str, Any]:
+    """The pair's summary (sweep_run.sweep_report's shape) from its rates' JSONs and the kept runs (kept_runs),
+    scored under slo."""
     docs = [json.loads(p.read_text()) for _, p in sorted(measured_rates(out, layout.name, workload).items())]
-    runs = [{k: d[k] for k in RATE_KEYS} for d in docs]
+    runs = sorted([{k: d[k] for k in RATE_KEYS} for d in docs] + list(kept.values()), key=lambda r: r["request_rate"])
+    config = docs[0]["config"] if docs else read_json(summary_path(out, layout.name, workload))["config"]  # type: ignore[index]
     sweep = summary(runs, slo, layout.num_gpus, layout.name, DEFAULT_TARGET)
-    return {"config": docs[0]["config"], "sweep": sweep, "runs": runs}
+    return {"config": config, "sweep": sweep, "runs": runs}
 
 
 # --- the table -------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +19,30 @@ from pdserve.router.benchmark.sweep import Window, format_summary, rate_result, 
 from pdserve.router.benchmark.sweep_run import rate_path
 
 
-def rescore(summary_path: str | Path, slos: dict[str, float]) -> dict[str, Any]:
-    """The sweep's summary document with every rate scored under `slos`; ValueError without saved requests."""
+def rescore(
+    summary_path: str | Path, slos: dict[str, float], scored: Mapping[float, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """The sweep's summary document with every rate scored under `slos`; ValueError without saved requests.
+
+    scored: runs already scored under these very SLOs, by rate, taken as they are for rates whose per-rate JSON
+    is gone (an earlier session's rates, kept in its rescored summary)."""
     doc = json.loads(Path(summary_path).read_text())
     sweep_args, old = doc["config"]["sweep"], doc["sweep"]
     window = Window(float(sweep_args["warmup"]), float(sweep_args["duration"]))
     results = []
     for row in old["rates"]:
-        per_rate = json.loads(rate_path(summary_path, row["request_rate"]).read_text())
+        rate = row["request_rate"]
+        path = rate_path(summary_path, rate)
+        if not path.exists() and scored and float(rate) in scored:
+            results.append(scored[float(rate)])
+            continue
+        if not path.exists():
+            raise ValueError(f"{summary_path}: rate {rate:g} has neither its JSON ({path.name}) nor a scored run")
+        per_rate = json.loads(path.read_text())
         if "requests" not in per_rate:
             raise ValueError(f"{summary_path}: rerun the sweep with --save-detailed to rescore it")
         records = [record_from_json(r) for r in per_rate["requests"]]
-        results.append(rate_result(row["request_rate"], records, window, slos, old["num_gpus"]))
+        results.append(rate_result(rate, records, window, slos, old["num_gpus"]))
     new = summary(results, slos, old["num_gpus"], old["layout"], old["target_attainment"])
     return {"config": doc["config"] | {"rescored_from": str(summary_path)}, "sweep": new, "runs": results}
 

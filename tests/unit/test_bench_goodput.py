@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.router.benchmark.rescore import rescore
 from pdserve.router.benchmark.sweep import find_knee, summary
 from pdserve.router.plan.layouts import layouts_for
 from pdserve.router.plan.profile import Profile
@@ -25,6 +26,11 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_goodput.py"
 LOOSE = {"ttft": 2000.0, "tpot": 50.0}
 LOOSE_TAG = "ttft2000-tpot50"
+
+
+sys.path.insert(0, str(SCRIPT.parent))
+goodput_table = importlib.import_module("goodput_table")
+sys.path.remove(str(SCRIPT.parent))
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +118,32 @@ def test_a_later_call_skips_done_pairs_and_tries_failed_layouts_last(script: Any
     folder = tmp_path / "sweeps" / "1P_1D"
     (folder / "long-input.rate-1.json").write_text(json.dumps({"request_rate": 1.0, "requests": []}))
     (folder / "long-input.rate-2.json").write_text('{"request_rate": 2.0, "requ')  # cut off mid-write
-    assert list(script.measured_rates(tmp_path, "1P:1D", "long-input")) == [1.0]
+    assert list(goodput_table.measured_rates(tmp_path, "1P:1D", "long-input")) == [1.0]
+
+
+def test_rates_of_an_earlier_call_without_their_json_are_kept_as_scored(script: Any, tmp_path: Path) -> None:
+    """--out as committed (no rate JSONs): the summary's rates count as measured and each SLO's scored runs are
+    kept; a rate measured now joins them; a rate with neither its JSON nor a scored run is an error."""
+    write_pair(tmp_path, "1P:1D", "chat", {2.0: 1.0, 4.0: 0.5})
+    assert goodput_table.scored_rates(tmp_path, "1P:1D", "chat") == {2.0, 4.0}
+    kept = goodput_table.kept_runs(tmp_path, "1P:1D", "chat", LOOSE_TAG)
+    assert sorted(kept) == [2.0, 4.0] and kept[4.0]["slo_attainment"] == 0.5
+    folder = tmp_path / "sweeps" / "1P_1D"
+    summary_doc = json.loads((folder / "chat.json").read_text()) | {"config": {"sweep": {"warmup": 1, "duration": 2}}}
+    (folder / "chat.json").write_text(json.dumps(summary_doc))
+    (folder / "chat.rate-4.json").write_text(json.dumps({"request_rate": 4.0, "requests": []}))
+    assert sorted(goodput_table.kept_runs(tmp_path, "1P:1D", "chat", LOOSE_TAG)) == [2.0]  # 4's JSON is here
+    (folder / "chat.rate-4.json").unlink()
+    layout = next(x for x in layouts_for(2) if x.name == "1P:1D")
+    merged = goodput_table.merge_rates(tmp_path, layout, "chat", LOOSE, kept)
+    assert merged["config"] == summary_doc["config"]
+    assert [r["request_rate"] for r in merged["sweep"]["rates"]] == [2.0, 4.0]
+    assert merged["sweep"]["knee"]["rate"] == 2.0
+    (folder / "chat.json").write_text(json.dumps(merged))
+    again = rescore(folder / "chat.json", LOOSE, kept)
+    assert again["runs"] == [kept[2.0], kept[4.0]]
+    with pytest.raises(ValueError, match="neither its JSON"):
+        rescore(folder / "chat.json", LOOSE, {2.0: kept[2.0]})
 
 
 def test_rates_bracket_every_predicted_knee_at_most_the_step_apart(script: Any) -> None:
@@ -139,10 +170,20 @@ def test_a_rate_is_added_above_a_top_rate_that_attains_or_below_a_bottom_one_tha
     assert script.extra_rate([loose, tight], [5.0, 3.0], planned, gpu) == 6.4
     missed = sweep({2.0: 0.6, 4.0: 0.1})
     assert script.extra_rate([tight, missed], [3.0, 1.0], planned, gpu) == 1.25
-    assert script.extra_rate([tight, missed], [3.0, 0.0], planned, gpu) is None  # no knee predicted: none sought
-    assert script.extra_rate([tight], [3.0], planned, gpu) is None  # bracketed
-    two_extra = sweep({2.0: 1.0, 4.0: 1.0, 6.4: 1.0, 10.2: 1.0})
-    assert script.extra_rate([two_extra], [3.0], planned, gpu) is None  # at most max_extra_rates
+    # no knee predicted under `missed`: none sought below; tight's knee, between 2 and 4, gets their middle
+    assert script.extra_rate([tight, missed], [3.0, 0.0], planned, gpu) == 2.83
+    narrow = sweep({2.0: 0.95, 2.5: 0.5})
+    assert script.extra_rate([narrow], [3.0], [2.0, 2.5], gpu) is None  # bracketed within 1.3x
+    all_extra = sweep({2.0: 1.0, 4.0: 1.0, 6.4: 1.0, 10.2: 1.0, 16.4: 1.0, 26.2: 1.0})
+    assert gpu.max_extra_rates == 4 and script.extra_rate([all_extra], [3.0], planned, gpu) is None
+
+
+def test_the_widest_knee_bracket_is_narrowed_first(script: Any) -> None:
+    loose, tight = sweep({2.0: 1.0, 4.0: 1.0, 10.0: 0.4}), sweep({2.0: 1.0, 4.0: 0.5, 10.0: 0.1})
+    assert script.narrow_rate([tight, loose], [2.0, 4.0, 10.0]) == 6.32  # [4, 10] is wider than [2, 4]
+    assert script.narrow_rate([tight], [2.0, 4.0, 10.0]) == 2.83
+    assert script.narrow_rate([sweep({2.0: 0.5, 4.0: 0.1})], [2.0, 4.0]) is None  # no rate met it: no bracket
+    assert script.narrow_rate([sweep({2.0: 1.0, 2.5: 0.2})], [2.0, 2.5]) is None  # within BRACKET_RATIO
 
 
 def test_shared_layouts_get_the_planners_pool_of_their_shared_decode_worker(script: Any) -> None:
