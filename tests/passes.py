@@ -12,6 +12,7 @@ from pdserve.core.request import Request
 from pdserve.core.sampler import SamplingState
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.scheduler import ScheduledChunk, StepPlan
+from pdserve.kernels.attention import AttentionMetadata
 
 
 def prompt_plan(engine: Engine, prompts: Sequence[Sequence[int]], num_tokens: Sequence[int]) -> StepPlan:
@@ -35,3 +36,18 @@ def every_row_logits(runner: ModelRunner, plan: StepPlan) -> torch.Tensor:  # [n
     runner.backend.prepare(dev.meta)
     hidden = runner.model(dev.ids, dev.positions, runner.kv_caches, dev.meta)  # [num_tokens, hidden]
     return runner.model.compute_logits(hidden[rows])  # type: ignore[no-any-return, operator]
+
+
+def record_mixed_splits(runner: ModelRunner) -> list[int]:
+    """The decodes of every eager pass the runner hands its backend split (AttentionMetadata.mixed), appended as
+    the passes run."""
+    splits: list[int] = []
+    prepare = runner.backend.prepare
+
+    def spy(meta: AttentionMetadata) -> None:
+        if meta.mixed is not None:
+            splits.append(meta.mixed.decodes.num_seqs)
+        prepare(meta)
+
+    runner.backend.prepare = spy  # type: ignore[method-assign]
+    return splits

@@ -19,9 +19,8 @@ from pdserve.core.request import Request
 from pdserve.core.sampler import SamplingState
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.scheduler import ScheduledChunk, StepPlan
-from pdserve.kernels.attention import AttentionMetadata
 from tests.hf_reference import random_prompts
-from tests.passes import every_row_logits, prompt_plan
+from tests.passes import every_row_logits, prompt_plan, record_mixed_splits
 
 pytestmark = pytest.mark.gpu
 NEW_TOKENS = 32
@@ -84,31 +83,26 @@ def test_cuda_fp32_greedy_matches_hf_on_gpu(family: str, mode: str, request: pyt
     torch.testing.assert_close(ours, first_logits[4], rtol=1e-4, atol=1e-4)
 
 
+def chunked_triton_cfg(model_dir: Path, max_num_seqs: int, eager: bool) -> EngineConfig:
+    """The Triton backend with chunks of 16 in passes of 64 tokens: prompts prefill beside running decodes."""
+    return EngineConfig(
+        ModelConfig.from_pretrained(model_dir),
+        CacheConfig(num_blocks=256),
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, prefill_chunk_size=16),
+        device="cuda",
+        attention_backend="triton",
+        enforce_eager=eager,
+    )
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_mixed_passes_split_their_decodes_and_match_hf(tiny_llama_dir: Path, eager: bool) -> None:
     """A decode worker's passes of prompt chunks beside running decodes run the decodes on the decode kernel (a
     prefill graph's decode slots, or an eager split): tokens equal transformers and no block leaks."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = EngineConfig(
-        ModelConfig.from_pretrained(tiny_llama_dir),
-        CacheConfig(num_blocks=256),
-        SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=64, prefill_chunk_size=16),
-        device="cuda",
-        attention_backend="triton",
-        enforce_eager=eager,
-    )
-    engine = Engine(cfg)
-    splits: list[int] = []  # decodes of each mixed pass
-    if eager:
-        prepare = engine.runner.backend.prepare
-
-        def spy(meta: AttentionMetadata) -> None:
-            if meta.mixed is not None:
-                splits.append(meta.mixed.decodes.num_seqs)
-            prepare(meta)
-
-        engine.runner.backend.prepare = spy  # type: ignore[method-assign]
-    else:
+    engine = Engine(chunked_triton_cfg(tiny_llama_dir, max_num_seqs=12, eager=eager))
+    splits = record_mixed_splits(engine.runner)  # decodes of each mixed pass (eager ones, then graphed ones)
+    if not eager:
         graphs = engine.runner.prefill_graphs
         assert graphs is not None and graphs.staging.decode_slots == 12
         run = graphs.run
@@ -132,15 +126,7 @@ def test_cuda_fp32_moe_matches_hf_on_gpu(family: str, eager: bool, request: pyte
     graphs or eager: tokens equal transformers on the same GPU."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model_dir = request.getfixturevalue(f"tiny_{family}_dir")
-    cfg = EngineConfig(
-        ModelConfig.from_pretrained(model_dir),
-        CacheConfig(num_blocks=256),
-        SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64, prefill_chunk_size=16),
-        device="cuda",
-        attention_backend="triton",
-        enforce_eager=eager,
-    )
-    engine = Engine(cfg)
+    engine = Engine(chunked_triton_cfg(model_dir, max_num_seqs=6, eager=eager))
     assert (engine.runner.graphs is None) == (engine.runner.prefill_graphs is None) == eager
     prompts = random_prompts(1024, (1, 17, 33, 64, 3, 100), seed=43)
     expected, _ = hf_greedy_cuda(model_dir, prompts)

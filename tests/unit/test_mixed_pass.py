@@ -11,8 +11,9 @@ import torch
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.core.engine import Engine
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.kernels.attention import AttentionMetadata, num_leading_decodes
+from pdserve.kernels.attention import num_leading_decodes
 from tests.hf_reference import hf_greedy, random_prompts
+from tests.passes import record_mixed_splits
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -78,15 +79,7 @@ def test_passes_without_leading_decodes_are_not_split(tiny_llama_dir: Path) -> N
 
 def test_mixed_passes_give_transformers_tokens_and_free_every_block(tiny_llama_dir: Path) -> None:
     engine = make_engine(tiny_llama_dir)
-    splits: list[int] = []
-    prepare = engine.runner.backend.prepare
-
-    def spy(meta: AttentionMetadata) -> None:
-        if meta.mixed is not None:
-            splits.append(meta.mixed.decodes.num_seqs)
-        prepare(meta)
-
-    engine.runner.backend.prepare = spy  # type: ignore[method-assign]
+    splits = record_mixed_splits(engine.runner)
     prompts = random_prompts(1024, (70, 3, 40, 9, 1, 55), seed=13)
     assert engine.generate(prompts, GREEDY) == hf_greedy(tiny_llama_dir, prompts, GREEDY.max_tokens)
     assert splits and max(splits) >= 3  # passes of several decodes beside a chunk ran
