@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""A colocated worker's mixed steps (running decodes beside a prompt's chunk) through the engine, split into the
+forward pass's GPU span and the rest (host), beside the planner's model of them from a profile:
+decode(B, context) + prefill(chunk + B) - prefill(B) (router/plan/simulate.py StepCost.mixed).
+
+    python scripts/bench_mixed_step.py --profile bench/results/profile_llama8b_h200_2026-11-27.json \\
+        --out bench/out/mixed_step.json
+    python scripts/bench_mixed_step.py --smoke --out /tmp/mixed_step.json   # tiny shape on CPU: runs end to end
+
+Per (chunk, batch, context): `batch` requests of `context` prompt tokens decode; `steps` pure decode steps are
+timed; then one prompt of PROMPT_CHUNKS chunks arrives and each step that carries one of its chunks is timed.
+A step's time is engine.step()'s wall time with the device synchronized after it; its GPU span is CUDA events
+around ModelRunner.execute (on CPU, execute's wall time); host = step - span. The engine is the colocated
+worker's (pdserve-cluster --colocated --prefill-chunk-size C --max-num-batched-tokens C): one engine per chunk
+size, 128 sequences, dummy weights, CUDA graphs (a decode worker's prefill graphs have decode slots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_moe import TINY, stats, sync, write_model
+
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.engine import Engine
+from pdserve.core.model_runner import is_decode_pass
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.scheduler import StepPlan
+from pdserve.router.plan.profile import Profile
+from pdserve.router.plan.simulate import StepCost
+
+PROMPT_CHUNKS = 4
+"""Chunks of the prompt that arrives at each point: its later chunks attend to a longer cached prefix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    chunks: tuple[int, ...]
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    steps: int
+    """Timed pure decode steps per point."""
+    max_num_seqs: int
+
+
+GPU_GRID = Grid((512, 2048), (1, 16, 64), (512, 4096), 10, 128)
+SMOKE_GRID = Grid((16,), (1, 4), (24,), 3, 8)
+
+
+class PassSpans:
+    """The GPU span (ms) of each forward pass the engine runs, and whether it was a pure decode pass."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.cuda = engine.runner.device.type == "cuda"
+        self.pending: list[tuple[Any, Any, bool]] = []
+        execute = engine.runner.execute
+
+        def timed(plan: StepPlan, sampled_rows: Any = None) -> torch.Tensor:
+            start: Any = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+            if self.cuda:
+                start.record()
+            logits = execute(plan, sampled_rows)
+            end: Any = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+            if self.cuda:
+                end.record()
+            self.pending.append((start, end, is_decode_pass(plan.chunks)))
+            return logits
+
+        engine.runner.execute = timed  # type: ignore[method-assign]
+
+    def take(self) -> list[tuple[float, bool]]:
+        """(span ms, decode pass) of the passes since the last take (the device synchronized already)."""
+        spans = [
+            (start.elapsed_time(end) if self.cuda else (end - start) * 1e3, decode)
+            for start, end, decode in self.pending
+        ]
+        self.pending.clear()
+        return spans
+
+
+def make_engine(folder: Path, device: str, chunk: int, grid: Grid) -> Engine:
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    model = ModelConfig.from_pretrained(folder, dtype=dtype, load_format="dummy")
+    cache = CacheConfig(num_blocks=512 if device == "cpu" else None, enable_prefix_caching=False)
+    sched = SchedulerConfig(max_num_seqs=grid.max_num_seqs, max_num_batched_tokens=chunk, prefill_chunk_size=chunk)
+    return Engine(EngineConfig(model, cache, sched, device=device))
+
+
+def prompt(engine: Engine, n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, engine.config.model.vocab_size, (n,), generator=gen).tolist()  # type: ignore[no-any-return]
+
+
+def timed_step(engine: Engine, spans: PassSpans) -> tuple[float, list[tuple[float, bool]], StepPlan | None]:
+    """One engine.step(): its wall time (ms, device synchronized), its passes' spans, and its plan."""
+    plans: list[StepPlan] = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]  # type: ignore[method-assign]
+    device = engine.runner.device
+    sync(device)
+    start = time.perf_counter()
+    engine.step()
+    sync(device)
+    wall = (time.perf_counter() - start) * 1e3
+    engine.scheduler.schedule = schedule  # type: ignore[method-assign]
+    return wall, spans.take(), plans[0] if plans else None
+
+
+def measure_point(engine: Engine, spans: PassSpans, batch: int, context: int, grid: Grid,
+                  predict: Callable[[int, int, float], tuple[float, float]] | None) -> dict[str, Any]:  # fmt: skip
+    """One (batch, context) point of the engine's chunk size: pure decode steps, then the steps of a prompt."""
+    chunk = engine.config.scheduler.prefill_chunk_size or engine.config.scheduler.max_num_batched_tokens
+    long = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    ids = [f"d{batch}-{context}-{k}" for k in range(batch)]
+    for k, rid in enumerate(ids):
+        engine.add_request(rid, prompt(engine, context, k), long)
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    spans.take()
+    decode = [timed_step(engine, spans) for _ in range(grid.steps)]
+    engine.add_request("prompt", prompt(engine, PROMPT_CHUNKS * chunk, 10_000), SamplingParams(max_tokens=1))
+    mixed = []
+    while any(r.request_id == "prompt" for r in (*engine.scheduler.waiting, *engine.scheduler.running)):
+        wall, passes, plan = timed_step(engine, spans)
+        chunks = [c for c in (plan.chunks if plan else []) if c.req.request_id == "prompt"]
+        if not chunks:
+            continue  # NOTE: a step that only read the decodes in flight
+        decodes = sum(1 for c in plan.chunks if c.num_tokens == 1) if plan else 0
+        span = sum(s for s, _ in passes)
+        row = {"tokens": chunks[0].num_tokens, "prefix": chunks[0].req.num_computed_tokens - chunks[0].num_tokens,
+               "decodes": decodes, "step_ms": round(wall, 4), "gpu_ms": round(span, 4),
+               "host_ms": round(wall - span, 4)}  # fmt: skip
+        if predict is not None:
+            row["predicted_ms"] = round(predict(row["tokens"], decodes, context + grid.steps)[1], 4)
+        mixed.append(row)
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    engine.flush_commits()
+    walls, gpu = [w for w, _, _ in decode], [s for _, p, _ in decode for s, _ in p]
+    out: dict[str, Any] = {
+        "chunk": chunk, "batch": batch, "context": context,
+        "decode": {**stats("step", walls), "median_gpu_ms": round(statistics.median(gpu), 4) if gpu else None},
+        "mixed": mixed,
+    }  # fmt: skip
+    if predict is not None:
+        out["decode"]["predicted_ms"] = round(predict(0, batch, context + grid.steps)[0], 4)
+    return out
+
+
+def predictor(path: str | None) -> Callable[[int, int, float], tuple[float, float]] | None:
+    """(tokens, decodes, context) -> the planner's (decode step, mixed step) in ms, from the profile at path."""
+    if path is None:
+        return None
+    cost = StepCost(Profile.read(path))
+    return lambda tokens, batch, ctx: (cost.decode(batch, ctx) * 1e3, cost.mixed(tokens, batch, ctx, 0.0) * 1e3)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="llama-8b", help="a make_bench_model.py shape")
+    p.add_argument("--profile", default=None, help="the planner's profile of this GPU: predictions beside each step")
+    p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, float32: runs end to end")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    grid = SMOKE_GRID if args.smoke else GPU_GRID
+    scratch = Path(tempfile.mkdtemp(prefix="bench_mixed_step_"))
+    folder = write_model(args.shape, scratch, dict(TINY) if args.smoke else {})
+    predict = predictor(args.profile)
+    points = []
+    for chunk in grid.chunks:
+        engine = make_engine(folder, device, chunk, grid)
+        spans = PassSpans(engine)
+        for context in grid.contexts:
+            for batch in grid.batches:
+                points.append(measure_point(engine, spans, batch, context, grid, predict))
+                m = points[-1]["mixed"]
+                print(
+                    f"chunk {chunk} batch {batch} context {context}: decode {points[-1]['decode']['median_step_ms']}"
+                    f" ms, mixed " + ", ".join(f"{r['step_ms']:.2f} ({r['gpu_ms']:.2f} GPU)" for r in m),
+                    flush=True,
+                )
+        del engine
+    doc = {"gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+           "command": shlex.join([sys.executable, *sys.argv]), "shape": args.shape, "smoke": args.smoke,
+           "profile": args.profile, "grid": dataclasses.asdict(grid), "points": points}  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
