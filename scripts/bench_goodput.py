@@ -29,7 +29,8 @@ two workers sizing theirs from free memory at once can run the GPU out of memory
 
 Writes --out/run.json (settings, every call's command), plans/ (the planner's JSON per workload and SLO),
 sweeps/LAYOUT/ (per workload: each rate's detailed JSON, the summary, one rescored summary per SLO; logs),
-table.json and table.md. Every file names the GPU and the commands that made it. Past --deadline-s the run stops
+table.json, table.md and plots/WORKLOAD.SLO/*.png. Every file names the GPU and the commands that made it (a plot:
+its folder's table). Past --deadline-s the run stops
 its cluster, writes the table from what there is and exits 1; it exits 1 whenever the table is incomplete.
 
 NOTE: NVLink multicast stays off in everything started here (bench_tp_serving.MULTICAST_OFF).
@@ -93,6 +94,7 @@ from goodput_table import (
     scored_rates,
     summary_path,
     table_md,
+    write_plots,
 )
 
 from pdserve.router.benchmark.rescore import rescore
@@ -507,7 +509,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=None, help="seconds of each rate before its window")
     p.add_argument("--duration", type=float, default=None, help="seconds of each rate's window")
     p.add_argument("--smoke", action="store_true", help="a tiny model on CPU, two layouts, tiny rates")
-    p.add_argument("--report", action="store_true", help="only write table.json and table.md from --out")
+    p.add_argument("--report", action="store_true", help="only write the table and its plots from --out")
     p.add_argument("--lanes", type=int, default=1, help="layouts measured at once, each on its own --gpus GPUs")
     p.add_argument("--lane-gpus", default=None, help=argparse.SUPPRESS)  # NOTE: a lane's child (goodput_lanes.py)
     return p.parse_args(argv)
@@ -567,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     table = build_table(out, layouts, plans, slos, header | extra)
     write_json(out / "table.json", table)
     (out / "table.md").write_text(table_md(table))
+    write_plots(out, layouts, table)
     print(table_md(table), flush=True)
     return 0 if table["complete"] else 1
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.router.benchmark.sweep import DEFAULT_TARGET, summary
+from pdserve.router.benchmark.sweep_plots import write_sweep_plots
 from pdserve.router.plan.layouts import Layout
 
 RATE_KEYS = ("request_rate", "num_requests", "num_good", "slo_attainment", "slo_attainment_by_kind", "goodput",
@@ -170,6 +171,18 @@ def build_table(out: Path, layouts: list[Layout], ctx_plans: dict[str, dict[str,
             "commands": list(dict.fromkeys(commands))}  # fmt: skip
 
 
+def write_plots(out: Path, layouts: list[Layout], table: dict[str, Any]) -> list[Path]:
+    """plots/WORKLOAD.SLO/: attainment and goodput per GPU vs rate, one line per layout measured ([] without
+    matplotlib)."""
+    paths = []
+    for t in table["tables"]:
+        docs = [read_json(pair_dir(out, layout.name) / f"{t['workload']}.{t['slo']}.json") for layout in layouts]
+        sweeps = [doc["sweep"] for doc in docs if doc is not None]
+        if sweeps:
+            paths += write_sweep_plots(sweeps, out / "plots" / f"{t['workload']}.{t['slo']}", t["workload"])
+    return paths
+
+
 def fmt(value: float | None, spec: str = ".3g") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -188,7 +201,8 @@ TABLE_HEAD = ("| layout | measured req/s/GPU | highest rate met | predicted req/
               "|---|---|---|---|---|---|")  # fmt: skip
 TABLE_NOTE = (
     "Goodput: the rate at which 90% of requests meet every SLO, interpolated between the measured rates, per GPU "
-    "(>=: every rate measured met it; <: none did). Error: (predicted - measured) / measured."
+    "(>=: every rate measured met it; <: none did). Error: (predicted - measured) / measured. Plots: "
+    "plots/WORKLOAD.SLO/ (attainment and goodput per GPU vs rate, one line per layout)."
 )
 
 

@@ -28,8 +28,8 @@ def _series(sweep: Mapping[str, Any], key: str) -> tuple[list[float], list[float
     return [r["request_rate"] for r in rows], [r[key] for r in rows]
 
 
-def write_sweep_plots(sweeps: Sequence[Mapping[str, Any]], out_dir: str | Path) -> list[Path]:
-    """SWEEP_PLOT_FILES into out_dir (created); their paths, or [] without matplotlib."""
+def write_sweep_plots(sweeps: Sequence[Mapping[str, Any]], out_dir: str | Path, what: str = "") -> list[Path]:
+    """SWEEP_PLOT_FILES into out_dir (created), titled `what` and the SLOs; their paths, or [] without matplotlib."""
     try:
         import matplotlib
 
@@ -51,7 +51,7 @@ def write_sweep_plots(sweeps: Sequence[Mapping[str, Any]], out_dir: str | Path) 
             ax.axhline(sweeps[0]["target_attainment"], color="grey", linestyle="--", linewidth=1)
             ax.set_ylim(0, 1.02)
         slos = ", ".join(f"{k} {v:g} ms" for k, v in (sweeps[0]["slos_ms"] if sweeps else {}).items())
-        ax.set(xlabel="request rate (req/s)", ylabel=ylabel, title=slos or None)
+        ax.set(xlabel="request rate (req/s)", ylabel=ylabel, title=", ".join(filter(None, (what, slos))) or None)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         fig.tight_layout()

@@ -101,6 +101,12 @@ def test_table_from_sweeps_has_knees_errors_the_ratio_and_cells_not_run(script: 
     assert long_input["measured"] == {"best_colocated": None, "best_disaggregated": None, "ratio": None}
     assert table["complete"] is False and table["measured_on"] == ["NVIDIA H100 80GB HBM3"]
     assert "bench 1P:1D chat" in table["commands"] and "pdserve-plan ..." in table["commands"]
+    plots = script.write_plots(tmp_path, layouts_for(2), table)  # long-input has no sweep: no plot
+    assert [p.relative_to(tmp_path).as_posix() for p in plots] == [
+        f"plots/chat.{LOOSE_TAG}/attainment_vs_rate.png",
+        f"plots/chat.{LOOSE_TAG}/goodput_per_gpu_vs_rate.png",
+    ]
+    assert all(p.stat().st_size > 1000 for p in plots)
     md = script.table_md(table)
     assert "| colocated-c512 | 2.11 | 4 | 2.5 | +18% | 2: 100%, 4: 95%, 6: 50% |" in md
     assert "| colocated-c2048 | < 0.5 | - | 1.5 | - |" in md and "| 2P:1D-shared | >= 1 | 2 | 0.8 | - |" in md
@@ -236,6 +242,10 @@ def test_smoke_measures_two_layouts_in_two_lanes_on_cpu_and_a_second_call_has_no
             assert len(row["rates"]) == 2 and rescored["sweep"]["slos_ms"] == t["slos_ms"]
             assert row["knee_rate"] == find_knee(rescored["runs"])._asdict()["rate"] and row["status"] == "done"
             assert rescored["bench_goodput"]["gpu"] == "cpu"
+        assert sorted(p.name for p in (out / "plots" / f"chat.{t['slo']}").iterdir()) == [
+            "attainment_vs_rate.png",
+            "goodput_per_gpu_vs_rate.png",
+        ]
     commands = "\n".join(table["commands"])
     assert commands.count("pdserve.router.cluster_cli") == 2 and "--device cpu" in commands
     assert "--decode-gpus cpu-0,cpu-1" in commands and "--prefill-gpus cpu-2 --decode-gpus cpu-3" in commands
