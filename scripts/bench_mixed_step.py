@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 from bench_moe import TINY, stats, sync, write_model
+from profile_layout import prompt
 
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.core.engine import Engine
-from pdserve.core.model_runner import is_decode_pass
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.scheduler import StepPlan
 from pdserve.router.plan.profile import Profile
@@ -59,11 +59,11 @@ SMOKE_GRID = Grid((16,), (1, 4), (24,), 3, 8)
 
 
 class PassSpans:
-    """The GPU span (ms) of each forward pass the engine runs, and whether it was a pure decode pass."""
+    """The GPU span (ms) of each forward pass the engine runs, with the pass's plan."""
 
     def __init__(self, engine: Engine) -> None:
         self.cuda = engine.runner.device.type == "cuda"
-        self.pending: list[tuple[Any, Any, bool]] = []
+        self.pending: list[tuple[Any, Any, StepPlan]] = []
         execute = engine.runner.execute
 
         def timed(plan: StepPlan, sampled_rows: Any = None) -> torch.Tensor:
@@ -74,16 +74,15 @@ class PassSpans:
             end: Any = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
             if self.cuda:
                 end.record()
-            self.pending.append((start, end, is_decode_pass(plan.chunks)))
+            self.pending.append((start, end, plan))
             return logits
 
         engine.runner.execute = timed  # type: ignore[method-assign]
 
-    def take(self) -> list[tuple[float, bool]]:
-        """(span ms, decode pass) of the passes since the last take (the device synchronized already)."""
+    def take(self) -> list[tuple[float, StepPlan]]:
+        """(span ms, plan) of the passes since the last take (the device synchronized already)."""
         spans = [
-            (start.elapsed_time(end) if self.cuda else (end - start) * 1e3, decode)
-            for start, end, decode in self.pending
+            (start.elapsed_time(end) if self.cuda else (end - start) * 1e3, plan) for start, end, plan in self.pending
         ]
         self.pending.clear()
         return spans
@@ -97,24 +96,14 @@ def make_engine(folder: Path, device: str, chunk: int, grid: Grid) -> Engine:
     return Engine(EngineConfig(model, cache, sched, device=device))
 
 
-def prompt(engine: Engine, n: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, engine.config.model.vocab_size, (n,), generator=gen).tolist()  # type: ignore[no-any-return]
-
-
-def timed_step(engine: Engine, spans: PassSpans) -> tuple[float, list[tuple[float, bool]], StepPlan | None]:
-    """One engine.step(): its wall time (ms, device synchronized), its passes' spans, and its plan."""
-    plans: list[StepPlan] = []
-    schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]  # type: ignore[method-assign]
+def timed_step(engine: Engine, spans: PassSpans) -> tuple[float, list[tuple[float, StepPlan]]]:
+    """One engine.step(): its wall time (ms, device synchronized) and its passes' spans with their plans."""
     device = engine.runner.device
     sync(device)
     start = time.perf_counter()
     engine.step()
     sync(device)
-    wall = (time.perf_counter() - start) * 1e3
-    engine.scheduler.schedule = schedule  # type: ignore[method-assign]
-    return wall, spans.take(), plans[0] if plans else None
+    return (time.perf_counter() - start) * 1e3, spans.take()
 
 
 def measure_point(engine: Engine, spans: PassSpans, batch: int, context: int, grid: Grid,
@@ -134,11 +123,12 @@ def measure_point(engine: Engine, spans: PassSpans, batch: int, context: int, gr
     engine.add_request("prompt", prompt(engine, PROMPT_CHUNKS * chunk, 10_000), SamplingParams(max_tokens=1))
     mixed = []
     while any(r.request_id == "prompt" for r in (*engine.scheduler.waiting, *engine.scheduler.running)):
-        wall, passes, plan = timed_step(engine, spans)
-        chunks = [c for c in (plan.chunks if plan else []) if c.req.request_id == "prompt"]
-        if not chunks:
+        wall, passes = timed_step(engine, spans)
+        plans = [plan for _, plan in passes if any(c.req.request_id == "prompt" for c in plan.chunks)]
+        if not plans:
             continue  # NOTE: a step that only read the decodes in flight
-        decodes = sum(1 for c in plan.chunks if c.num_tokens == 1) if plan else 0
+        chunks = [c for c in plans[0].chunks if c.req.request_id == "prompt"]
+        decodes = sum(1 for c in plans[0].chunks if c.num_tokens == 1)
         span = sum(s for s, _ in passes)
         row = {"tokens": chunks[0].num_tokens, "prefix": chunks[0].req.num_computed_tokens - chunks[0].num_tokens,
                "decodes": decodes, "step_ms": round(wall, 4), "gpu_ms": round(span, 4),
@@ -151,7 +141,7 @@ def measure_point(engine: Engine, spans: PassSpans, batch: int, context: int, gr
     while engine.has_unfinished():
         engine.step()
     engine.flush_commits()
-    walls, gpu = [w for w, _, _ in decode], [s for _, p, _ in decode for s, _ in p]
+    walls, gpu = [w for w, _ in decode], [s for _, passes in decode for s, _ in passes]
     out: dict[str, Any] = {
         "chunk": chunk, "batch": batch, "context": context,
         "decode": {**stats("step", walls), "median_gpu_ms": round(statistics.median(gpu), 4) if gpu else None},
