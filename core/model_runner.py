@@ -310,8 +310,7 @@ class ModelRunner:
 
     def _run_pass(self, host: HostInputs) -> torch.Tensor:  # [num_sampling, vocab] float32
         graphs = self.prefill_graphs
-        num_decodes = None if graphs is None else graphs.decodes_if_fits(host)
-        if graphs is not None and num_decodes is not None:
+        if graphs is not None and (num_decodes := graphs.decodes_if_fits(host)) is not None:
             return graphs.run(host, num_decodes)
         dev = self._to_device(host)
         self.backend.prepare(dev.meta)

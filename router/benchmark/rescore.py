@@ -33,11 +33,11 @@ def rescore(
     for row in old["rates"]:
         rate = row["request_rate"]
         path = rate_path(summary_path, rate)
-        if not path.exists() and scored and float(rate) in scored:
+        if not path.exists():
+            if scored is None or float(rate) not in scored:
+                raise ValueError(f"{summary_path}: rate {rate:g} has neither its JSON ({path.name}) nor a scored run")
             results.append(scored[float(rate)])
             continue
-        if not path.exists():
-            raise ValueError(f"{summary_path}: rate {rate:g} has neither its JSON ({path.name}) nor a scored run")
         per_rate = json.loads(path.read_text())
         if "requests" not in per_rate:
             raise ValueError(f"{summary_path}: rerun the sweep with --save-detailed to rescore it")
