@@ -33,6 +33,7 @@ from pdserve.router.placement import (
     placement,
     read_topology,
     roles_share_a_gpu,
+    within_visible,
 )
 from pdserve.router.status import RUN_DIR_PREFIX
 from pdserve.router.supervisor import Child, Supervisor
@@ -127,8 +128,8 @@ def _add_placement_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefill-gpus",
         default=None,
-        help="GPUs of the prefill workers, e.g. 0 or 0,1: cut into groups of --prefill-tp, one group per worker "
-        "(round robin)",
+        help="GPUs of the prefill workers, e.g. 0 or 0,1 (indices within CUDA_VISIBLE_DEVICES when set, or UUIDs): "
+        "cut into groups of --prefill-tp, one group per worker (round robin)",
     )
     p.add_argument(
         "--decode-gpus",
@@ -170,7 +171,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     try:
         args.topology_hosts = read_topology(Path(args.topology), args.prefill, args.decode) if args.topology else None
         args.prefill_tp, args.decode_tp = _tp_sizes(args)
-        prefill_gpus, decode_gpus = gpu_lists(args.prefill_gpus), gpu_lists(args.decode_gpus)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        prefill_gpus = within_visible(gpu_lists(args.prefill_gpus), visible, "--prefill-gpus")
+        decode_gpus = within_visible(gpu_lists(args.decode_gpus), visible, "--decode-gpus")
         layout = (prefill_gpus, decode_gpus, args.prefill, args.decode, args.prefill_tp, args.decode_tp)
         args.gpus = placement(*layout)
         args.whole_gpu = frozenset(alone_on_their_gpus(compute_gpus(*layout)))

@@ -32,6 +32,20 @@ def gpu_lists(spec: str | None) -> list[str] | None:
     return gpus
 
 
+def within_visible(gpus: list[str] | None, visible: str | None, flag: str) -> list[str] | None:
+    """A GPU list's indices read within the launcher's CUDA_VISIBLE_DEVICES (index i -> its i-th entry), as a
+    CUDA program reads them; UUIDs and lists without CUDA_VISIBLE_DEVICES as they are. ValueError past its end."""
+    seen = [g.strip() for g in visible.split(",") if g.strip()] if visible else []
+    if gpus is None or not seen:
+        return gpus
+    out = []
+    for gpu in gpus:
+        if gpu.isdigit() and int(gpu) >= len(seen):
+            raise ValueError(f"{flag} {gpu}: CUDA_VISIBLE_DEVICES={visible} shows {len(seen)} GPU(s)")
+        out.append(seen[int(gpu)] if gpu.isdigit() else gpu)
+    return out
+
+
 def placement(prefill_gpus: list[str] | None, decode_gpus: list[str] | None, num_prefill: int, num_decode: int,
               prefill_tp: int = 1, decode_tp: int = 1) -> dict[str, str]:  # fmt: skip
     """CUDA_VISIBLE_DEVICES of each worker ({} without --prefill-gpus / --decode-gpus: every worker sees every
@@ -94,6 +108,17 @@ def roles_share_a_gpu(prefill_gpus: list[str] | None, decode_gpus: list[str] | N
     return bool(set(prefill_gpus) & set(decode_gpus))
 
 
+def gpu_uuids() -> dict[str, str]:
+    """The host's GPU index -> UUID (nvidia-smi, which ignores CUDA_VISIBLE_DEVICES); {} without nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return {}
+    query = [exe, "--query-gpu=index,uuid", "--format=csv,noheader"]
+    done = subprocess.run(query, capture_output=True, text=True, check=False, timeout=30)
+    rows = [line.split(",") for line in done.stdout.splitlines() if done.returncode == 0]
+    return {row[0].strip(): row[1].strip() for row in rows if len(row) == 2}
+
+
 class Mps:
     """An MPS control daemon private to this cluster (own pipe and log folders), so prefill and decode on
     one GPU each get a fixed share of its SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE) instead of time slices."""
@@ -106,6 +131,8 @@ class Mps:
             "CUDA_MPS_LOG_DIRECTORY": str(run_dir / "mps" / "log"),
         }
         self.split = split
+        self.uuids: dict[str, str] = {}
+        """The host's GPU index -> UUID (gpu_uuids), read when the daemon starts."""
 
     def start(self, env: dict[str, str]) -> bool:
         exe = shutil.which("nvidia-cuda-mps-control")
@@ -114,16 +141,25 @@ class Mps:
             return False
         for folder in self.env.values():
             Path(folder).mkdir(parents=True, exist_ok=True)
+        self.uuids = gpu_uuids()
         subprocess.run([exe, "-d"], env={**env, **self.env}, check=True)
         print(f"pdserve: MPS on, SM share prefill/decode {self.split[0]}/{self.split[1]}%", file=sys.stderr)
         return True
 
-    def worker_env(self, name: str, role: str) -> dict[str, str]:
-        """A child's MPS environment: its role's SM share, unless it is alone on its GPUs; {} for the router."""
+    def worker_env(self, name: str, role: str, visible: str | None = None) -> dict[str, str]:
+        """A child's MPS environment: its role's SM share, unless it is alone on its GPUs; {} for the router.
+        Its GPUs (visible: the host's indices of its CUDA_VISIBLE_DEVICES) by UUID: an MPS client reads an index
+        against the daemon's own CUDA_VISIBLE_DEVICES (NVIDIA's MPS docs), so the host's GPU 3 under a daemon that
+        sees GPU 3 alone would be "no CUDA GPU"; a UUID names the same GPU to both."""
         share = {"prefill": self.split[0], "decode": self.split[1]}.get(role)
         if share is None:
             return {}
-        return self.env if name in self.whole_gpu else {**self.env, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)}
+        out = dict(self.env)
+        if visible:
+            out["CUDA_VISIBLE_DEVICES"] = ",".join(self.uuids.get(g.strip(), g.strip()) for g in visible.split(","))
+        if name not in self.whole_gpu:
+            out["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share)
+        return out
 
     def stop(self, env: dict[str, str]) -> None:
         exe = shutil.which("nvidia-cuda-mps-control")

@@ -222,7 +222,9 @@ class Supervisor:
         env = {**self.env, RESTARTS_ENV: str(child.restarts)}
         if child.name in self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[child.name]
-        return {**env, **self.mps.worker_env(child.name, child.role)} if self.mps else env
+        if self.mps is None:
+            return env
+        return {**env, **self.mps.worker_env(child.name, child.role, env.get("CUDA_VISIBLE_DEVICES"))}
 
     def _check_ready(self, address: str) -> None:
         for child in self.children:

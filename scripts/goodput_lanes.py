@@ -17,6 +17,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from pdserve.router import placement
+
 GPU_FLAGS = ("--prefill-gpus", "--decode-gpus")
 
 
@@ -24,8 +26,8 @@ def gpu_uuids(device: str) -> list[str]:
     """The host's GPUs by UUID, in index order (nvidia-smi); on CPU (--smoke) four stand-in names."""
     if device != "cuda":
         return [f"cpu-{k}" for k in range(4)]
-    query = ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"]
-    return subprocess.run(query, check=True, capture_output=True, text=True).stdout.split()
+    uuids = placement.gpu_uuids()
+    return [uuids[k] for k in sorted(uuids, key=int)]
 
 
 def lane_gpus(uuids: Sequence[str], lanes: int, per_lane: int) -> list[list[str]]:

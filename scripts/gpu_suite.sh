@@ -25,8 +25,8 @@ for stage in $stages; do
       python3 -m pytest -m gpu -q -rs -p no:cacheprovider tests \
         --junitxml "$OUT/gpu_tests.xml" >"$OUT/gpu_tests.log" 2>&1 || status=1
       tail -25 "$OUT/gpu_tests.log" ;;
-    lanes)  # files that need two GPUs get a pair; clusters (a private MPS daemon) get GPU 0, where a client's
-      # CUDA_VISIBLE_DEVICES index means the same GPU to the daemon; the last lane runs every file not named
+    lanes)  # files that need two GPUs get a pair, cluster files a GPU of their own; the last lane (GPU 2, where
+      # test_cluster_gpu_index_cuda.py runs a cluster on a GPU other than 0) runs every file not named
       lanes=("2,3 tests/gpu/test_tensor_parallel_cuda.py"
         "0,1 tests/gpu/test_cluster_tp_cuda.py tests/gpu/test_two_gpus.py tests/gpu/test_kvtransfer_cuda.py tests/kernels/test_block_copy.py"
         "0 tests/gpu/test_cluster_cuda.py tests/gpu/test_migration_cuda.py tests/gpu/test_routing_cuda.py tests/gpu/test_time_sliced_cuda.py tests/kernels/test_engine_cuda.py tests/kernels/test_engine_resume_cuda.py"

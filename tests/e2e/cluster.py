@@ -27,8 +27,9 @@ class Cluster:
     """router + N prefill + M decode processes under the supervisor, in a private run dir."""
 
     def __init__(
-        self, model: Path, run_dir: Path, prefill: int = 1, decode: int = 1, *extra: str, device: str = "cpu"
-    ) -> None:
+        self, model: Path, run_dir: Path, prefill: int = 1, decode: int = 1, *extra: str, device: str = "cpu",
+        env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.run_dir = run_dir
@@ -38,7 +39,7 @@ class Cluster:
         # must not collide
         argv += ["--run-dir", str(run_dir), "--device", device, "--metrics-port", "0", "--http-port", "0", *extra]
         self.output: list[str] = []
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         threading.Thread(target=self._drain, daemon=True).start()
 
     def _drain(self) -> None:

@@ -4,6 +4,7 @@ list shorter than the TP size is refused, naming the flags; under MPS only worke
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from pdserve.router.placement import (
     placement,
     roles_share_a_gpu,
     tp_groups,
+    within_visible,
 )
 
 
@@ -91,3 +93,31 @@ def test_under_mps_only_the_workers_sharing_a_gpu_get_an_sm_share(tmp_path: Path
     apart = compute_gpus(["0", "1"], ["2", "3"], 1, 1, prefill_tp=2, decode_tp=2)
     assert alone_on_their_gpus(apart) == {"prefill-0", "decode-0"}
     assert alone_on_their_gpus(compute_gpus(None, None, 1, 1)) == set()  # every GPU seen by all: shares for all
+
+
+def test_under_mps_workers_name_their_gpus_by_uuid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cluster started with CUDA_VISIBLE_DEVICES=3: its daemon sees GPU 3 alone, so a worker's "3" would be read
+    against the daemon's list (no such GPU); a UUID names the host's GPU 3 to both."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "nvidia-smi").write_text("#!/bin/sh\nprintf '0, GPU-aaaa\\n3, GPU-dddd\\n'\n")
+    (stubs / "nvidia-cuda-mps-control").write_text("#!/bin/sh\nexit 0\n")
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stubs}:{os.environ['PATH']}")
+    mps = Mps(tmp_path / "run", (50, 50), frozenset({"prefill-0"}))
+    assert mps.start({"CUDA_VISIBLE_DEVICES": "3"})
+    assert mps.worker_env("decode-0", "decode", "3")["CUDA_VISIBLE_DEVICES"] == "GPU-dddd"
+    assert mps.worker_env("prefill-0", "prefill", "0, 3")["CUDA_VISIBLE_DEVICES"] == "GPU-aaaa,GPU-dddd"
+    assert mps.worker_env("decode-0", "decode", "GPU-bbbb,7")["CUDA_VISIBLE_DEVICES"] == "GPU-bbbb,7"  # kept
+    assert "CUDA_VISIBLE_DEVICES" not in mps.worker_env("decode-0", "decode")  # every GPU the daemon sees
+    assert mps.worker_env("router", "router", "3") == {}
+
+
+def test_gpu_flags_index_the_launchers_visible_gpus() -> None:
+    assert within_visible(["0", "1"], "2,3", "--prefill-gpus") == ["2", "3"]
+    assert within_visible(["1", "GPU-aaaa"], "GPU-bbbb,GPU-cccc", "--decode-gpus") == ["GPU-cccc", "GPU-aaaa"]
+    assert within_visible(["0", "1"], None, "--prefill-gpus") == ["0", "1"]  # the host's indices
+    assert within_visible(None, "2,3", "--decode-gpus") is None
+    with pytest.raises(ValueError, match=re.escape("--decode-gpus 2: CUDA_VISIBLE_DEVICES=2,3 shows 2 GPU(s)")):
+        within_visible(["2"], "2,3", "--decode-gpus")
