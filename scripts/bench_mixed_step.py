@@ -80,7 +80,9 @@ class PassSpans:
         engine.runner.execute = timed  # type: ignore[method-assign]
 
     def take(self) -> list[tuple[float, StepPlan]]:
-        """(span ms, plan) of the passes since the last take (the device synchronized already)."""
+        """(span ms, plan) of the passes since the last take (waiting for the last pass to end)."""
+        if self.cuda and self.pending:
+            self.pending[-1][1].synchronize()
         spans = [
             (start.elapsed_time(end) if self.cuda else (end - start) * 1e3, plan) for start, end, plan in self.pending
         ]
@@ -120,7 +122,8 @@ def measure_point(engine: Engine, spans: PassSpans, batch: int, context: int, gr
         engine.step()
     spans.take()
     decode = [timed_step(engine, spans) for _ in range(grid.steps)]
-    engine.add_request("prompt", prompt(engine, PROMPT_CHUNKS * chunk, 10_000), SamplingParams(max_tokens=1))
+    length = min(PROMPT_CHUNKS * chunk, engine.config.model.max_model_len - 1)
+    engine.add_request("prompt", prompt(engine, length, 10_000), SamplingParams(max_tokens=1))
     mixed = []
     while any(r.request_id == "prompt" for r in (*engine.scheduler.waiting, *engine.scheduler.running)):
         wall, passes = timed_step(engine, spans)
@@ -182,7 +185,10 @@ def main() -> int:
                 m = points[-1]["mixed"]
                 print(
                     f"chunk {chunk} batch {batch} context {context}: decode {points[-1]['decode']['median_step_ms']}"
-                    f" ms, mixed " + ", ".join(f"{r['step_ms']:.2f} ({r['gpu_ms']:.2f} GPU)" for r in m),
+                    f" ms, mixed "
+                    + ", ".join(
+                        f"{r['step_ms']:.2f} ({r['gpu_ms']:.2f} GPU, {r.get('predicted_ms')} planned)" for r in m
+                    ),
                     flush=True,
                 )
         del engine

@@ -16,7 +16,7 @@ import torch
 from tests.e2e.cluster import Cluster
 from tests.e2e.test_cluster import generate_all, tokens_of
 from tests.gpu.test_cluster_cuda import assert_serves_like_transformers
-from tests.gpu.test_two_gpus import visible_devices
+from tests.gpu.test_two_gpus import host_gpus, visible_devices
 from tests.hf_reference import random_prompts
 from tests.kernels.test_engine_cuda import NEW_TOKENS, hf_greedy_cuda
 
@@ -46,7 +46,7 @@ def test_tp_groups_on_two_gpus_match_transformers(shape: str, tiny_llama_dir: Pa
         transport = "dist" if shape.endswith("dist") else "cuda_ipc"
         assert f"KV transport {transport}" in (cluster.run_dir / "logs" / "decode-0.log").read_text()
         if shape == "p2d2-shared":
-            assert visible_devices(cluster.pid("decode-0")) == "0,1"
+            assert visible_devices(cluster.pid("decode-0")) == host_gpus("0,1", by_uuid=True)  # MPS: by UUID
             leader, rank1 = decode["ranks"]
             os.kill(rank1, signal.SIGKILL)
             cluster.wait_for(lambda: cluster.stats("decode", 0)["pid"] != leader, 120.0, "decode-0 back")

@@ -4,11 +4,13 @@ Greedy tokens in fp32 equal transformers on the GPU; MPS stays off (no GPU is sh
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from pdserve.router.placement import gpu_uuids, within_visible
 from tests.e2e.cluster import Cluster
 from tests.gpu.test_cluster_cuda import assert_serves_like_transformers
 
@@ -23,13 +25,21 @@ def visible_devices(pid: int) -> str:
     return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"CUDA_VISIBLE_DEVICES=")), "")
 
 
+def host_gpus(flag: str, by_uuid: bool = False) -> str:
+    """A worker's CUDA_VISIBLE_DEVICES for a --prefill-gpus / --decode-gpus list: its indices within this process's
+    CUDA_VISIBLE_DEVICES, and under MPS (by_uuid) those GPUs' UUIDs."""
+    gpus = within_visible(flag.split(","), os.environ.get("CUDA_VISIBLE_DEVICES"), "") or []
+    uuids = gpu_uuids() if by_uuid else {}
+    return ",".join(uuids.get(g, g) for g in gpus)
+
+
 def test_prefill_and_decode_on_two_gpus_match_transformers(tiny_llama_dir: Path, tmp_path: Path) -> None:
     flags = ("--num-blocks", "512", "--prefill-gpus", "0", "--decode-gpus", "1")
     cluster = Cluster(tiny_llama_dir, tmp_path / "run", 1, 1, *flags, device="cuda")
     try:
         cluster.wait_ready()
-        assert visible_devices(cluster.pid("prefill-0")) == "0"
-        assert visible_devices(cluster.pid("decode-0")) == "1,0"
+        assert visible_devices(cluster.pid("prefill-0")) == host_gpus("0")
+        assert visible_devices(cluster.pid("decode-0")) == host_gpus("1,0")
         assert_serves_like_transformers(cluster, tiny_llama_dir, seed=63)
         assert not any("MPS on" in line for line in cluster.output)
     finally:
