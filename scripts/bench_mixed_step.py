@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """A colocated worker's mixed steps (running decodes beside a prompt's chunk) through the engine, split into the
 forward pass's GPU span and the rest (host), beside the planner's model of them from a profile:
-decode(B, context) + prefill(chunk + B) - prefill(B) (router/plan/simulate.py StepCost.mixed).
+decode(B, context) + prefill(chunk + B) - prefill(B) + the chunk's prefix cost (router/plan/simulate.py
+StepCost.mixed).
 
     python scripts/bench_mixed_step.py --profile bench/results/profile_llama8b_h200_2026-11-27.json \\
         --out bench/out/mixed_step.json
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 from bench_moe import TINY, stats, sync, write_model
-from profile_layout import prompt
+from profile_layout import PassSpans, prompt
 
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.core.engine import Engine
@@ -58,38 +59,6 @@ GPU_GRID = Grid((512, 2048), (1, 16, 64), (512, 4096), 10, 128)
 SMOKE_GRID = Grid((16,), (1, 4), (24,), 3, 8)
 
 
-class PassSpans:
-    """The GPU span (ms) of each forward pass the engine runs, with the pass's plan."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.cuda = engine.runner.device.type == "cuda"
-        self.pending: list[tuple[Any, Any, StepPlan]] = []
-        execute = engine.runner.execute
-
-        def timed(plan: StepPlan, sampled_rows: Any = None) -> torch.Tensor:
-            start: Any = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
-            if self.cuda:
-                start.record()
-            logits = execute(plan, sampled_rows)
-            end: Any = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
-            if self.cuda:
-                end.record()
-            self.pending.append((start, end, plan))
-            return logits
-
-        engine.runner.execute = timed  # type: ignore[method-assign]
-
-    def take(self) -> list[tuple[float, StepPlan]]:
-        """(span ms, plan) of the passes since the last take (waiting for the last pass to end)."""
-        if self.cuda and self.pending:
-            self.pending[-1][1].synchronize()
-        spans = [
-            (start.elapsed_time(end) if self.cuda else (end - start) * 1e3, plan) for start, end, plan in self.pending
-        ]
-        self.pending.clear()
-        return spans
-
-
 def make_engine(folder: Path, device: str, chunk: int, grid: Grid) -> Engine:
     dtype = "float32" if device == "cpu" else "bfloat16"
     model = ModelConfig.from_pretrained(folder, dtype=dtype, load_format="dummy")
@@ -109,7 +78,7 @@ def timed_step(engine: Engine, spans: PassSpans) -> tuple[float, list[tuple[floa
 
 
 def measure_point(engine: Engine, spans: PassSpans, batch: int, context: int, grid: Grid,
-                  predict: Callable[[int, int, float], tuple[float, float]] | None) -> dict[str, Any]:  # fmt: skip
+                  predict: Callable[[int, int, float, int], tuple[float, float]] | None) -> dict[str, Any]:  # fmt: skip
     """One (batch, context) point of the engine's chunk size: pure decode steps, then the steps of a prompt."""
     chunk = engine.config.scheduler.prefill_chunk_size or engine.config.scheduler.max_num_batched_tokens
     long = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
@@ -137,7 +106,7 @@ def measure_point(engine: Engine, spans: PassSpans, batch: int, context: int, gr
                "decodes": decodes, "step_ms": round(wall, 4), "gpu_ms": round(span, 4),
                "host_ms": round(wall - span, 4)}  # fmt: skip
         if predict is not None:
-            row["predicted_ms"] = round(predict(row["tokens"], decodes, context + grid.steps)[1], 4)
+            row["predicted_ms"] = round(predict(row["tokens"], decodes, context + grid.steps, row["prefix"])[1], 4)
         mixed.append(row)
     for rid in ids:
         engine.abort(rid)
@@ -151,16 +120,21 @@ def measure_point(engine: Engine, spans: PassSpans, batch: int, context: int, gr
         "mixed": mixed,
     }  # fmt: skip
     if predict is not None:
-        out["decode"]["predicted_ms"] = round(predict(0, batch, context + grid.steps)[0], 4)
+        out["decode"]["predicted_ms"] = round(predict(0, batch, context + grid.steps, 0)[0], 4)
     return out
 
 
-def predictor(path: str | None) -> Callable[[int, int, float], tuple[float, float]] | None:
-    """(tokens, decodes, context) -> the planner's (decode step, mixed step) in ms, from the profile at path."""
+def predictor(path: str | None) -> Callable[[int, int, float, int], tuple[float, float]] | None:
+    """(tokens, decodes, context, prefix) -> the planner's (decode step, mixed step) in ms, from the profile at
+    path."""
     if path is None:
         return None
     cost = StepCost(Profile.read(path))
-    return lambda tokens, batch, ctx: (cost.decode(batch, ctx) * 1e3, cost.mixed(tokens, batch, ctx, 0.0) * 1e3)
+
+    def predict(tokens: int, batch: int, ctx: float, prefix: int) -> tuple[float, float]:
+        return cost.decode(batch, ctx) * 1e3, cost.mixed(tokens, batch, ctx, cost.prefix(tokens, prefix)) * 1e3
+
+    return predict
 
 
 def main() -> int:

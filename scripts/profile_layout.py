@@ -2,10 +2,13 @@
 """The planner's profile of a worker (router/plan/profile.py): the engine's time to the first token of one prompt
 per length, and its decode step time per batch size and context, plus the KV tokens its pool holds. --tp N
 profiles a worker of N GPUs (one process per rank, rank r on GPU r) and adds it to the "tp" section of the
-TP-1 profile already at --out (same shape, same GPU), so profile TP 1 first.
+TP-1 profile already at --out (same shape, same GPU), so profile TP 1 first. --chunks adds to it the time of a
+pass computing a chunk of a prompt whose earlier tokens are cached, per chunk size and prefix (a chunk's
+attention reads its prefix: Profile.prefix_cost).
 
     python scripts/profile_layout.py --shape llama-8b --gpus 2 --out bench/out/profile-llama-8b.json
     python scripts/profile_layout.py --shape llama-8b --tp 2 --out bench/out/profile-llama-8b.json
+    python scripts/profile_layout.py --shape llama-8b --chunks --out bench/out/profile-llama-8b.json
     python scripts/profile_layout.py --smoke [--tp 2] --out /tmp/profile.json  # tiny shape on CPU (gloo): no timings
     pdserve-plan --profile bench/out/profile-llama-8b.json --workload long-input --slo ttft:1000,tpot:15
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import itertools
 import json
@@ -42,6 +46,7 @@ from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, Schedule
 from pdserve.core.engine import Engine
 from pdserve.core.parallel import ParallelConfig
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.scheduler import StepPlan
 from pdserve.router.plan.profile import PROFILE_VERSION, Profile
 
 
@@ -58,10 +63,44 @@ class Grid:
     """Timed decode steps per grid point."""
     repeats: int
     """Timed prefills per length."""
+    chunks: tuple[int, ...]
+    """Chunk sizes (step budgets) of --chunks: one prompt of the whole context, a pass per chunk."""
 
 
-GPU_GRID = Grid((128, 512, 1024, 2048, 4096, 8192), (1, 16, 64, 128), (512, 2048, 8192), 4096, 20, 3)
-SMOKE_GRID = Grid((16, 64, 128), (1, 4), (32, 128), 64, 3, 2)
+GPU_GRID = Grid((128, 512, 1024, 2048, 4096, 8192), (1, 16, 64, 128), (512, 2048, 8192), 4096, 20, 3, (512, 2048, 4096))
+SMOKE_GRID = Grid((16, 64, 128), (1, 4), (32, 128), 64, 3, 2, (64, 128))
+
+
+class PassSpans:
+    """The GPU span (ms) of each forward pass the engine runs, with the pass's plan."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.cuda = engine.runner.device.type == "cuda"
+        self.pending: list[tuple[Any, Any, StepPlan]] = []
+        execute = engine.runner.execute
+
+        def timed(plan: StepPlan, sampled_rows: Any = None) -> torch.Tensor:
+            start: Any = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+            if self.cuda:
+                start.record()
+            logits = execute(plan, sampled_rows)
+            end: Any = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+            if self.cuda:
+                end.record()
+            self.pending.append((start, end, plan))
+            return logits
+
+        engine.runner.execute = timed  # type: ignore[method-assign]
+
+    def take(self) -> list[tuple[float, StepPlan]]:
+        """(span ms, plan) of the passes since the last take (waiting for the last pass to end)."""
+        if self.cuda and self.pending:
+            self.pending[-1][1].synchronize()
+        spans = [
+            (start.elapsed_time(end) if self.cuda else (end - start) * 1e3, plan) for start, end, plan in self.pending
+        ]
+        self.pending.clear()
+        return spans
 
 
 def make_engine(folder: Path, device: str, grid: Grid, num_blocks: int | None, pc: ParallelConfig) -> Engine:
@@ -201,6 +240,39 @@ def measure(engine: Engine, grid: Grid) -> dict[str, Any]:
             "kv_capacity_tokens": capacity}  # fmt: skip
 
 
+def chunk_points(engine: Engine, repeats: int) -> list[dict[str, Any]]:
+    """One prompt of the whole context in passes of the engine's budget: each whole-budget pass's GPU span
+    (PassSpans) by the prompt's tokens before it, median over repeats (after one untimed prompt)."""
+    spans, n = PassSpans(engine), engine.config.model.max_model_len - 1
+    budget = engine.config.scheduler.max_num_batched_tokens
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    times: dict[tuple[int, int], list[float]] = {}
+    for seed in range(repeats + 1):
+        engine.add_request(f"chunks-{seed}", prompt(engine, n, 1000 + seed), one)
+        while not engine.step():
+            pass
+        engine.flush_commits()
+        prefix = 0
+        for ms, plan in spans.take():
+            tokens = sum(c.num_tokens for c in plan.chunks)
+            if seed > 0 and tokens == budget:
+                times.setdefault((tokens, prefix), []).append(ms)
+            prefix += tokens
+    return [{"tokens": c, "prefix": p, "ms": round(statistics.median(ms), 4)} for (c, p), ms in sorted(times.items())]
+
+
+def measure_chunks(folder: Path, device: str, grid: Grid, num_blocks: int | None) -> dict[str, Any]:
+    """The "chunks" section: chunk_points of an engine of each chunk size as its step budget."""
+    points = []
+    for chunk in grid.chunks:
+        engine = make_engine(folder, device, dataclasses.replace(grid, budget=chunk), num_blocks, ParallelConfig())
+        points += chunk_points(engine, grid.repeats)
+        print(f"chunks of {chunk}: " + ", ".join(f"{p['prefix']}: {p['ms']:.2f} ms" for p in points if
+                                                 p["tokens"] == chunk), flush=True)  # fmt: skip
+        del engine
+    return {"points": points}
+
+
 def rank_main(rank: int, size: int, folder: str, device: str, grid: Grid, num_blocks: int | None, out: str) -> None:
     """Rank `rank` of a worker of `size` ranks: every rank runs the same steps (their control flow depends on counts
     alone, the pool's size agreed by the group); rank 0 reports and writes the costs to out."""
@@ -225,9 +297,10 @@ def measure_tp(size: int, folder: Path, device: str, grid: Grid, num_blocks: int
 
 
 def tp1_profile(out: Path, args: argparse.Namespace, gpu: str) -> dict[str, Any]:
-    """The TP-1 profile at out that --tp adds to; ValueError when there is none of this shape and GPU."""
+    """The TP-1 profile at out that --tp / --chunks adds to; ValueError when there is none of this shape and GPU."""
+    flag = "--chunks" if args.chunks else f"--tp {args.tp}"
     if not out.exists():
-        raise ValueError(f"--tp {args.tp} adds to the TP-1 profile at --out: profile TP 1 into {out} first")
+        raise ValueError(f"{flag} adds to the TP-1 profile at --out: profile TP 1 into {out} first")
     doc: dict[str, Any] = json.loads(out.read_text())
     Profile.from_json(doc)
     model = doc.get("model", {})
@@ -245,6 +318,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gpus", type=int, default=2, help="GPUs the planner lays out by default")
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, float32: runs end to end")
     p.add_argument("--tp", type=int, default=1, help="TP size of the worker profiled; > 1 adds it to --out's profile")
+    p.add_argument("--chunks", action="store_true", help="add the chunk-at-prefix costs to --out's TP-1 profile")
     p.add_argument("--max-model-len", type=int, default=None, help="recorded for the planner (default: the shape's)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (default: sized from free memory)")
     p.add_argument("--out", required=True, help="write the profile here (--tp > 1: the TP-1 profile to add to)")
@@ -259,7 +333,9 @@ def main() -> int:
         return 2
     gpu, out = torch.cuda.get_device_name() if device == "cuda" else "cpu", Path(args.out)
     try:
-        base = tp1_profile(out, args, gpu) if args.tp > 1 else None
+        if args.chunks and args.tp > 1:
+            raise ValueError("--chunks measures TP 1 (the planner splits it over a TP worker's ranks): drop --tp")
+        base = tp1_profile(out, args, gpu) if args.tp > 1 or args.chunks else None
     except ValueError as exc:
         print(f"profile_layout.py: {exc}", file=sys.stderr)
         return 2
@@ -267,12 +343,16 @@ def main() -> int:
     grid = SMOKE_GRID if args.smoke else GPU_GRID
     folder = write_model(args.shape, Path(tempfile.mkdtemp(prefix="profile_layout_")), dict(TINY) if args.smoke else {})
     num_blocks = args.num_blocks or (256 if args.smoke else None)
-    if args.tp > 1:
+    if args.chunks:
+        costs = measure_chunks(folder, device, grid, num_blocks)
+    elif args.tp > 1:
         costs = measure_tp(args.tp, folder, device, grid, num_blocks)
     else:
         costs = measure(make_engine(folder, device, grid, num_blocks, ParallelConfig()), grid)
     command = shlex.join([sys.executable, *sys.argv])
-    if base is not None:
+    if base is not None and args.chunks:
+        doc = base | {"chunks": costs | {"command": command}}
+    elif base is not None:
         doc = base | {"tp": base.get("tp", {}) | {str(args.tp): costs | {"command": command}}}
     else:
         config = json.loads((folder / "config.json").read_text())
@@ -286,7 +366,8 @@ def main() -> int:
     Profile.from_json(doc).at_tp(args.tp)  # NOTE: the planner must read what was written
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {out}" + (f" (TP {args.tp} section)" if base is not None else ""))
+    section = " (chunks section)" if args.chunks else f" (TP {args.tp} section)" if base is not None else ""
+    print(f"wrote {out}{section}")
     return 0
 
 

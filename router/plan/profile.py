@@ -65,6 +65,9 @@ class Profile:
     mps_slowdown: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
     """Measured step-time factor of a role ("prefill", "decode") at an MPS SM share in percent; where missing,
     1 / share (exact for compute-bound steps, pessimistic for memory-bound decode steps)."""
+    chunk_points: tuple[tuple[int, int, float], ...] = ()
+    """(tokens, prefix, ms): one pass of a `tokens`-token piece of a prompt whose first `prefix` tokens are cached
+    (profile_layout.py --chunks, at TP 1; every chunk size has prefix 0); () when not profiled."""
     tp_size: int = 1
     """GPUs (TP ranks) of the worker these costs are of."""
     by_tp: Mapping[int, Profile] = field(default_factory=dict)
@@ -90,13 +93,25 @@ class Profile:
         """ms of a prefill step of `tokens` tokens (whole prompts, or chunks of them)."""
         return interpolate(self.prefill_tokens, self.prefill_ms, tokens)
 
-    def prefill_surcharge(self, prompt_len: int) -> float:
-        """ms a prompt longer than the budget costs beyond its chunks' own prefill steps (each chunk attends to
-        the ones before it): the measured whole-prompt time less prompt_len / budget budget-sized steps."""
-        if prompt_len <= self.prefill_budget:
+    def prefix_cost(self, tokens: int, prefix: int) -> float:
+        """ms a pass of `tokens` prompt tokens costs beyond prefill_time(tokens) because the prompt's first `prefix`
+        tokens are cached (its attention reads them too). From the chunk points: a chunk's time at this prefix less
+        its time at prefix 0, interpolated in prefix, then in chunk size (0 at 0 tokens), over the TP size (the heads
+        split evenly over the ranks). Without them, from whole prompts: prefill_time(prefix + tokens) less
+        prefill_time(prefix) and prefill_time(tokens), which over a prompt's chunks adds up to its measured time."""
+        if prefix <= 0 or tokens <= 0:
             return 0.0
-        whole = self.prefill_time(prompt_len)
-        return max(0.0, whole - prompt_len / self.prefill_budget * self.prefill_time(self.prefill_budget))
+        if not self.chunk_points:
+            joint = self.prefill_time(prefix + tokens) - self.prefill_time(prefix)
+            return max(0.0, joint - self.prefill_time(tokens))
+        sizes = sorted({c for c, _, _ in self.chunk_points})
+        extra = [self._chunk_extra(c, prefix) for c in sizes]
+        return interpolate([0, *sizes], [0.0, *extra], tokens) / self.tp_size
+
+    def _chunk_extra(self, tokens: int, prefix: int) -> float:
+        points = sorted((p, ms) for c, p, ms in self.chunk_points if c == tokens)
+        base = points[0][1]
+        return interpolate([p for p, _ in points], [ms - base for _, ms in points], prefix)
 
     def decode_time(self, batch: float, context: float) -> float:
         """ms of one decode step of `batch` sequences of `context` tokens each (bilinear in the grid)."""
@@ -141,6 +156,7 @@ class Profile:
             model=dict(data.get("model", {})),
             mps_slowdown={role: {int(k): float(v) for k, v in by.items()}
                           for role, by in data.get("mps_slowdown", {}).items()},
+            chunk_points=chunk_points(data.get("chunks", {}).get("points", [])),
             tp_size=tp_size, by_tp=by_tp,
         )  # fmt: skip
 
@@ -164,6 +180,8 @@ class Profile:
             "kv_capacity_tokens": self.kv_capacity_tokens,
             "handoff": {"fixed_ms": self.handoff_fixed_ms, "ms_per_token": self.handoff_ms_per_token},
             "mps_slowdown": {role: {str(k): v for k, v in by.items()} for role, by in self.mps_slowdown.items()},
+            **({"chunks": {"points": [{"tokens": c, "prefix": p, "ms": ms} for c, p, ms in self.chunk_points]}}
+               if self.chunk_points else {}),
         } | self._tp_json()  # fmt: skip
 
     def _tp_json(self) -> dict[str, Any]:
@@ -178,6 +196,14 @@ class Profile:
     def decode_tokens_per_s(self, batch: int, context: float) -> float:
         """Output tokens a second at this batch and context (the decode side's ceiling there)."""
         return batch / max(self.decode_time(batch, context), 1e-9) * 1e3
+
+
+def chunk_points(points: Sequence[Mapping[str, Any]]) -> tuple[tuple[int, int, float], ...]:
+    """The "chunks" points, sorted; ValueError when a chunk size lacks its prefix-0 point."""
+    out = tuple(sorted((int(p["tokens"]), int(p["prefix"]), float(p["ms"])) for p in points))
+    if missing := {c for c, _, _ in out} - {c for c, p, _ in out if p == 0}:
+        raise ValueError(f'profile "chunks": chunk sizes {sorted(missing)} have no point at prefix 0')
+    return out
 
 
 def tp_documents(data: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

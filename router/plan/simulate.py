@@ -4,16 +4,16 @@ Every worker's step times, step budget and KV capacity are the profile's at its 
 handoff's are the top level's, whatever the TP sizes on either side.
 
 - Prefill worker: FCFS; each step takes up to `budget` prompt tokens from the queue's head (a long prompt spans
-  steps) and lasts prefill_time(tokens) plus the chunk's share of the prompt's surcharge (profile.py), times its
-  MPS slowdown (profile.slowdown). A prompt's last step gives its first token; the decode side gets it after the
-  handoff time.
+  steps) and lasts prefill_time(tokens) plus each piece's prefix cost (profile.py prefix_cost: its attention over
+  the prompt's earlier tokens), times its MPS slowdown (profile.slowdown). A prompt's last step gives its first
+  token; the decode side gets it after the handoff time.
 - Decode worker: continuous batching. A step runs every running sequence and lasts decode_time(batch, mean
   context) x slowdown; a waiting request joins at a step boundary while the batch is under max_num_seqs and its KV
   (prompt + output tokens) fits the worker's capacity.
 - Colocated worker: each step runs the decodes plus up to `chunk - decodes` prompt tokens (chunked prefill,
   decodes first as pdserve's scheduler does); a mixed step lasts the decode step plus the chunk's marginal
   prefill cost, decode_time(B, ctx) + prefill_time(c + B) - prefill_time(B) (one forward pass reads the weights
-  once for both), plus the chunk's share of its prompt's surcharge.
+  once for both), plus the chunk's prefix cost.
 Routing: prefill to the least queued tokens x slowdown, decode and colocated to the fewest requests x slowdown.
 """
 
@@ -72,6 +72,7 @@ class StepCost:
         self.profile = profile
         self._decode: dict[tuple[int, int], float] = {}
         self._prefill: dict[int, float] = {}
+        self._prefix: dict[tuple[int, int], float] = {}
         self._by_tp: dict[int, StepCost] = {profile.tp_size: self}
 
     def at_tp(self, tp_size: int) -> StepCost:
@@ -85,9 +86,12 @@ class StepCost:
             self._prefill[tokens] = self.profile.prefill_time(tokens) / 1e3
         return self._prefill[tokens]
 
-    def surcharge(self, prompt_len: int, chunk_tokens: int) -> float:
-        """This chunk's share of the prompt's long-prompt surcharge (s)."""
-        return self.profile.prefill_surcharge(prompt_len) / 1e3 * chunk_tokens / prompt_len
+    def prefix(self, tokens: int, prefix: int) -> float:
+        """What a piece of `tokens` prompt tokens costs for the `prefix` tokens of its prompt before it (s)."""
+        key = (tokens, prefix // CONTEXT_BUCKET)
+        if key not in self._prefix:
+            self._prefix[key] = self.profile.prefix_cost(tokens, key[1] * CONTEXT_BUCKET) / 1e3
+        return self._prefix[key]
 
     def decode(self, batch: int, context: float) -> float:
         key = (batch, int(context) // CONTEXT_BUCKET)
@@ -95,14 +99,14 @@ class StepCost:
             self._decode[key] = self.profile.decode_time(batch, (key[1] + 0.5) * CONTEXT_BUCKET) / 1e3
         return self._decode[key]
 
-    def mixed(self, prefill_tokens: int, batch: int, context: float, surcharge: float) -> float:
+    def mixed(self, prefill_tokens: int, batch: int, context: float, prefix_cost: float) -> float:
         """A colocated step: prefill_tokens of prompts beside `batch` decodes (module docstring)."""
         if prefill_tokens == 0:
             return self.decode(batch, context)
         if batch == 0:
-            return self.prefill(prefill_tokens) + surcharge
+            return self.prefill(prefill_tokens) + prefix_cost
         chunk = max(0.0, self.prefill(prefill_tokens + batch) - self.prefill(batch))
-        return self.decode(batch, context) + chunk + surcharge
+        return self.decode(batch, context) + chunk + prefix_cost
 
 
 class PrefillWorker:
@@ -124,8 +128,8 @@ class PrefillWorker:
     def advance_to(self, t: float) -> None:
         """Run every step that starts before t."""
         while self.queue and self.now < t:
-            tokens, surcharge, finished = take_chunk(self.queue, self.budget, self.cost)
-            self.now += (self.cost.prefill(tokens) + surcharge) * self.slow
+            tokens, prefix_cost, finished = take_chunk(self.queue, self.budget, self.cost)
+            self.now += (self.cost.prefill(tokens) + prefix_cost) * self.slow
             self.queued_tokens -= tokens
             for req in finished:
                 self.queue.popleft()
@@ -233,10 +237,12 @@ class ColocatedWorker:
         batch = self.batch
         while (batch.num_running or self.prefilling or self.waiting) and self.now < t:
             self._admit()
-            tokens, surcharge, finished = take_chunk(self.prefilling, max(0, self.chunk - batch.num_running), self.cost)
+            tokens, prefix_cost, finished = take_chunk(
+                self.prefilling, max(0, self.chunk - batch.num_running), self.cost
+            )
             decodes = batch.num_running
             context = batch.context_sum / decodes if decodes else 0.0
-            self.now += self.cost.mixed(tokens, decodes, context, surcharge) * self.slow
+            self.now += self.cost.mixed(tokens, decodes, context, prefix_cost) * self.slow
             batch.end_step(self.now)
             for req in finished:
                 self.prefilling.popleft()
@@ -250,18 +256,19 @@ class ColocatedWorker:
 
 def take_chunk(entries: deque[list[Any]], budget: int, cost: StepCost) -> tuple[int, float, list[SimRequest]]:
     """One step's prompt tokens, FCFS from entries ([request, prompt tokens still to run], decremented in place) up
-    to budget: (tokens, their surcharge, the requests whose prompt this step finishes, in order)."""
-    tokens, surcharge, finished = 0, 0.0, []
+    to budget: (tokens, what their prompts' earlier tokens add (StepCost.prefix), the requests whose prompt this step
+    finishes, in order)."""
+    tokens, prefix_cost, finished = 0, 0.0, []
     for entry in entries:
         if budget == 0:
             break
         n = min(entry[1], budget)
+        prefix_cost += cost.prefix(n, entry[0].prompt_len - entry[1])
         entry[1] -= n
         budget, tokens = budget - n, tokens + n
-        surcharge += cost.surcharge(entry[0].prompt_len, n)
         if entry[1] == 0:
             finished.append(entry[0])
-    return tokens, surcharge, finished
+    return tokens, prefix_cost, finished
 
 
 def sys_maxsize() -> int:

@@ -57,9 +57,37 @@ def test_long_prompts_pay_the_measured_whole_prompt_time_over_their_chunks() -> 
     doc = dict(PREFILL_BOUND, prefill={"budget": 1000, "points": [{"tokens": 1000, "ms": 100.0},
                                                                   {"tokens": 4000, "ms": 700.0}]})  # fmt: skip
     profile = Profile.from_json(doc)
-    assert profile.prefill_surcharge(800) == 0.0 and profile.prefill_surcharge(4000) == pytest.approx(300.0)
+    assert profile.prefix_cost(1000, 0) == 0.0 and profile.prefix_cost(1000, 3000) == pytest.approx(100.0)
     req = simulate(disaggregated(1, 1, 2, (50, 50)), StepCost(profile), [SimRequest(0.0, 4000, 1)], SimConfig())[0]
-    assert req.first_token == pytest.approx(0.7) and req.done == req.first_token
+    assert req.first_token == pytest.approx(0.7) and req.done == req.first_token  # its chunks add up to 700 ms
+
+
+CHUNKS = [{"tokens": c, "prefix": p, "ms": ms} for c, p, ms in
+          [(512, 0, 10.0), (512, 2048, 14.0), (2048, 0, 40.0), (2048, 2048, 48.0), (2048, 4096, 60.0)]]  # fmt: skip
+
+
+def test_measured_chunks_price_a_chunk_by_its_prefix() -> None:
+    profile = Profile.from_json(DECODE_BOUND | {"chunks": {"points": CHUNKS}})
+    assert Profile.from_json(profile.to_json()) == profile
+    assert profile.prefix_cost(512, 0) == 0.0 and profile.prefix_cost(512, 1024) == pytest.approx(2.0)
+    assert profile.prefix_cost(2048, 3072) == pytest.approx(14.0)  # between its 2048 and 4096 points
+    assert profile.prefix_cost(1280, 2048) == pytest.approx(6.0)  # halfway between the chunk sizes
+    assert profile.prefix_cost(256, 2048) == pytest.approx(2.0)  # towards 0 at 0 tokens
+    tp2 = Profile.from_json(DECODE_BOUND | {"chunks": {"points": CHUNKS}, "tp": {"2": DECODE_BOUND}}).at_tp(2)
+    assert tp2.prefix_cost(512, 1024) == pytest.approx(1.0)  # the heads split over two ranks
+    with pytest.raises(ValueError, match=re.escape("chunk sizes [512] have no point at prefix 0")):
+        Profile.from_json(DECODE_BOUND | {"chunks": {"points": CHUNKS[1:]}})
+
+
+def test_a_colocated_prompt_pays_each_chunks_prefix() -> None:
+    """Two 512-token chunks alone on a colocated worker: the second runs at prefix 512 and pays its prefix cost."""
+    doc = DECODE_BOUND | {"chunks": {"points": CHUNKS}}
+    req = simulate(colocated(1, 512), StepCost(Profile.from_json(doc)), [SimRequest(0.0, 1024, 1)], SimConfig())[0]
+    chunk = 5.0 + 0.01 * 512
+    assert req.first_token == pytest.approx((2 * chunk + 1.0) / 1e3)  # 4 ms over 2048 tokens of prefix: 1 at 512
+    bare = simulate(colocated(1, 512), StepCost(Profile.from_json(DECODE_BOUND)), [SimRequest(0.0, 1024, 1)],
+                    SimConfig())[0]  # fmt: skip
+    assert bare.first_token == pytest.approx(2 * chunk / 1e3)  # whole prompts: a linear prefill has no prefix cost
 
 
 def test_layouts_of_two_gpus_and_their_cluster_flags() -> None:

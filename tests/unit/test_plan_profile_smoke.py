@@ -65,3 +65,26 @@ def test_smoke_profile_at_tp_2_adds_a_tp_section_the_planner_compares(tmp_path: 
         "colocated-tp2-c2048",
         "1P(tp2):1D(tp2)-shared",
     ]
+
+
+def test_smoke_chunks_add_each_chunk_sizes_passes_by_prefix(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    script = [sys.executable, str(ROOT / "scripts" / "profile_layout.py"), "--smoke", "--chunks", "--out", str(out)]
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*script, *extra], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+
+    refused = run()
+    assert refused.returncode == 2 and "--chunks adds to the TP-1 profile" in refused.stderr and not out.exists()
+    one = profile_doc(0.1, 1.0, 1.0, 0.1) | {"gpu": "cpu", "model": {"shape": "llama-8b", "smoke": True}}
+    out.write_text(json.dumps(one))
+    assert run("--tp", "2").returncode == 2
+    proc = run()
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert {k: v for k, v in doc.items() if k != "chunks"} == one and "--chunks" in doc["chunks"]["command"]
+    points = Profile.read(out).chunk_points
+    # NOTE: the smoke shape's context is 512: whole passes of 64 at prefixes 0..384 (the last piece is short)
+    assert [(c, p) for c, p, _ in points] == [(64, 64 * k) for k in range(7)] + [(128, 128 * k) for k in range(3)]
+    assert all(ms > 0 for _, _, ms in points)
