@@ -238,13 +238,16 @@ def plan_argv(profile: str, workload: str, slo: dict[str, float], gpus: int, set
 
 
 def load_plan(out: Path, argv: list[str], header: dict[str, Any]) -> dict[str, Any]:
-    """pdserve-plan's JSON for argv, cached in out/plans (the planner is seeded: a later call gets the same)."""
+    """pdserve-plan's JSON for argv, cached in out/plans for the profile it was planned from (the planner is seeded:
+    a later call with that profile gets the same)."""
     workload, slo = argv[argv.index("--workload") + 1], argv[argv.index("--slo") + 1]
     path = out / "plans" / f"{workload}.{slo_tag(plan_cli.parse_slo(slo))}.json"
-    if path.exists():
-        return json.loads(path.read_text())  # type: ignore[no-any-return]
+    cached = read_json(path)
+    if cached is not None and cached.get("profile_sha256") == header["profile_sha256"]:
+        return cached
     doc = plan_cli.plan(plan_cli.build_parser().parse_args(argv))
-    doc |= {"gpu": header["gpu"], "command": shlex.join(["pdserve-plan", *argv])}
+    doc |= {"gpu": header["gpu"], "command": shlex.join(["pdserve-plan", *argv]),
+            "profile_sha256": header["profile_sha256"]}  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, doc)
     return doc
@@ -437,17 +440,18 @@ def record_call(out: Path, settings: dict[str, Any], header: dict[str, Any], che
 
 
 def call_settings(args: argparse.Namespace, setup: Setup, num_gpus: int, slos: dict[str, Any]) -> dict[str, Any]:
-    """What every call filling one --out must share (run.json)."""
-    return {"profile_sha256": hashlib.sha256(Path(args.profile).read_bytes()).hexdigest(), "num_gpus": num_gpus,
-            "model": args.model or ("tiny" if setup.tiny else "llama-8b"), "device": setup.device,
+    """What every call filling one --out must share (run.json): what a rate's figures depend on. The profile only
+    plans which rates to measure and predicts: each call records its own (call_header)."""
+    return {"num_gpus": num_gpus, "model": args.model or ("tiny" if setup.tiny else "llama-8b"), "device": setup.device,
             "max_num_seqs": setup.max_num_seqs, "warmup_s": setup.warmup_s, "duration_s": setup.duration_s,
             "drain_s": setup.drain_s, "slos": slos}  # fmt: skip
 
 
-def call_header(setup: Setup, argv: list[str]) -> dict[str, Any]:
-    """This call's GPU, date and command: the head of every file it writes."""
+def call_header(setup: Setup, argv: list[str], profile: str) -> dict[str, Any]:
+    """This call's GPU, date, command and profile: the head of every file it writes."""
     cuda = setup.device == "cuda"
     return {"gpu": gpu_name() if cuda else "cpu", "gpus": host_gpus() if cuda else [],
+            "profile_sha256": hashlib.sha256(Path(profile).read_bytes()).hexdigest(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": shlex.join(["python3", "scripts/bench_goodput.py", *argv]), "env": MULTICAST_OFF}  # fmt: skip
 
@@ -538,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    settings, header = call_settings(args, setup, num_gpus, slos), call_header(setup, argv)
+    settings, header = call_settings(args, setup, num_gpus, slos), call_header(setup, argv, args.profile)
     header |= {"lanes": args.lanes} if args.lanes > 1 else {}
     try:
         measuring = args.lanes > 1 and not args.report

@@ -242,7 +242,8 @@ def measure(engine: Engine, grid: Grid) -> dict[str, Any]:
 
 def chunk_points(engine: Engine, repeats: int) -> list[dict[str, Any]]:
     """One prompt of the whole context in passes of the engine's budget: each whole-budget pass's GPU span
-    (PassSpans) by the prompt's tokens before it, median over repeats (after one untimed prompt)."""
+    (PassSpans) by the prompt's tokens before it, median over repeats (after one untimed prompt); a piece one token
+    short counts as whole."""
     spans, n = PassSpans(engine), engine.config.model.max_model_len - 1
     budget = engine.config.scheduler.max_num_batched_tokens
     one = SamplingParams(temperature=0.0, max_tokens=1)
@@ -255,8 +256,8 @@ def chunk_points(engine: Engine, repeats: int) -> list[dict[str, Any]]:
         prefix = 0
         for ms, plan in spans.take():
             tokens = sum(c.num_tokens for c in plan.chunks)
-            if seed > 0 and tokens == budget:
-                times.setdefault((tokens, prefix), []).append(ms)
+            if seed > 0 and tokens >= budget - 1:  # NOTE: the last piece is a token short (one is left to generate)
+                times.setdefault((budget, prefix), []).append(ms)
             prefix += tokens
     return [{"tokens": c, "prefix": p, "ms": round(statistics.median(ms), 4)} for (c, p), ms in sorted(times.items())]
 

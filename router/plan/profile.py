@@ -96,15 +96,16 @@ class Profile:
     def prefix_cost(self, tokens: int, prefix: int) -> float:
         """ms a pass of `tokens` prompt tokens costs beyond prefill_time(tokens) because the prompt's first `prefix`
         tokens are cached (its attention reads them too). From the chunk points: a chunk's time at this prefix less
-        its time at prefix 0, interpolated in prefix, then in chunk size (0 at 0 tokens), over the TP size (the heads
-        split evenly over the ranks). Without them, from whole prompts: prefill_time(prefix + tokens) less
-        prefill_time(prefix) and prefill_time(tokens), which over a prompt's chunks adds up to its measured time."""
+        its time at prefix 0, interpolated in prefix, then in chunk size (0 at 0 tokens; sizes measured at prefix 0
+        alone left out), over the TP size (the heads split evenly over the ranks). Without them, from whole prompts:
+        prefill_time(prefix + tokens) less prefill_time(prefix) and prefill_time(tokens), which over a prompt's
+        chunks adds up to its measured time."""
         if prefix <= 0 or tokens <= 0:
             return 0.0
-        if not self.chunk_points:
+        sizes = sorted({c for c, p, _ in self.chunk_points if p > 0})  # NOTE: a size at prefix 0 alone says nothing
+        if not sizes:
             joint = self.prefill_time(prefix + tokens) - self.prefill_time(prefix)
             return max(0.0, joint - self.prefill_time(tokens))
-        sizes = sorted({c for c, _, _ in self.chunk_points})
         extra = [self._chunk_extra(c, prefix) for c in sizes]
         return interpolate([0, *sizes], [0.0, *extra], tokens) / self.tp_size
 

@@ -75,6 +75,8 @@ def test_measured_chunks_price_a_chunk_by_its_prefix() -> None:
     assert profile.prefix_cost(256, 2048) == pytest.approx(2.0)  # towards 0 at 0 tokens
     tp2 = Profile.from_json(DECODE_BOUND | {"chunks": {"points": CHUNKS}, "tp": {"2": DECODE_BOUND}}).at_tp(2)
     assert tp2.prefix_cost(512, 1024) == pytest.approx(1.0)  # the heads split over two ranks
+    alone = Profile.from_json(DECODE_BOUND | {"chunks": {"points": [*CHUNKS, {"tokens": 4096, "prefix": 0, "ms": 90}]}})
+    assert alone.prefix_cost(4096, 2048) == pytest.approx(8.0 + 4.0 * 2048 / 1536)  # 512 and 2048's line: no prefix
     with pytest.raises(ValueError, match=re.escape("chunk sizes [512] have no point at prefix 0")):
         Profile.from_json(DECODE_BOUND | {"chunks": {"points": CHUNKS[1:]}})
 

@@ -85,6 +85,6 @@ def test_smoke_chunks_add_each_chunk_sizes_passes_by_prefix(tmp_path: Path) -> N
     doc = json.loads(out.read_text())
     assert {k: v for k, v in doc.items() if k != "chunks"} == one and "--chunks" in doc["chunks"]["command"]
     points = Profile.read(out).chunk_points
-    # NOTE: the smoke shape's context is 512: whole passes of 64 at prefixes 0..384 (the last piece is short)
-    assert [(c, p) for c, p, _ in points] == [(64, 64 * k) for k in range(7)] + [(128, 128 * k) for k in range(3)]
+    # NOTE: the smoke shape's context is 512: passes of 64 at prefixes 0..448 (the last one a token short)
+    assert [(c, p) for c, p, _ in points] == [(64, 64 * k) for k in range(8)] + [(128, 128 * k) for k in range(4)]
     assert all(ms > 0 for _, _, ms in points)
