@@ -69,8 +69,9 @@ class HandshakeServer:
             while not self._stop.is_set():
                 if sock.poll(SERVER_POLL_MS):
                     # NOTE: REP answers only once the whole request is read: every part, or the reply fails (EFSM)
-                    sock.send(self._reply(sock.recv_multipart()))
-                    self.num_answered += 1
+                    reply = self._reply(sock.recv_multipart())
+                    self.num_answered += 1  # NOTE: before the send: a client holding the reply sees it counted
+                    sock.send(reply)
         finally:
             sock.close()
 
