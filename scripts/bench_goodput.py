@@ -36,7 +36,9 @@ its cluster, writes the table from what there is and exits 1; it exits 1 wheneve
 NOTE: NVLink multicast stays off in everything started here (bench_tp_serving.MULTICAST_OFF).
 
 --lanes K measures K layouts at once on a host of K x --gpus GPUs (goodput_lanes.py): on 4 GPUs the 2-GPU table
-takes half the device time.
+takes half the device time. --frontends K starts each cluster with K router processes on one fixed port: one streams
+~13k responses/s (docs/deployment.md), which a chat workload's ~200-token streams reach near 65 req/s. A table's
+setting: a table measured with one front end goes on with one.
 
 A device call (carry .whl, the profile and --out without its *.rate-*.json; the tool sends at most 64 MiB and
 returns at most 8 files of 16 MiB, and one call's --out came to 20 MB gzipped): after the run,
@@ -69,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 import goodput_lanes
+from bench_frontend import free_port
 from bench_serving_suite import WARMUP, gpu_name
 from bench_tp_serving import (
     MULTICAST_OFF,
@@ -287,6 +290,8 @@ class Context:
     """GPU, date, this call's command."""
     lane_gpus: tuple[str, ...] = ()
     """A lane's GPUs by UUID (goodput_lanes.py); () outside lanes: the layouts' GPU indices as they are."""
+    frontends: int = 1
+    """Router processes of each cluster (--frontends): one streams ~13k responses/s (docs/deployment.md)."""
 
 
 def shared_pool_blocks(profile: Profile, layout: Layout) -> int | None:
@@ -301,7 +306,9 @@ def shared_pool_blocks(profile: Profile, layout: Layout) -> int | None:
 def cluster_argv(ctx: Context, layout: Layout, run_dir: Path) -> list[str]:
     setup = ctx.setup
     argv = [sys.executable, "-m", "pdserve.router.cluster_cli", "--model", str(ctx.model_dir), "--run-dir"]
-    argv += [str(run_dir), "--port", "0", "--device", setup.device, "--dtype", setup.dtype, "--load-format", "dummy"]
+    port = str(free_port()) if ctx.frontends > 1 else "0"  # NOTE: several front ends share one fixed port
+    argv += [str(run_dir), "--port", port, "--device", setup.device, "--dtype", setup.dtype, "--load-format", "dummy"]
+    argv += ["--frontends", str(ctx.frontends)] if ctx.frontends > 1 else []
     flags = layout.cluster_flags(setup.max_num_seqs)
     argv += ["--metrics-port", "0", *(goodput_lanes.lane_flags(flags, ctx.lane_gpus) if ctx.lane_gpus else flags)]
     blocks = setup.num_blocks or shared_pool_blocks(ctx.profile, layout)
@@ -444,7 +451,8 @@ def call_settings(args: argparse.Namespace, setup: Setup, num_gpus: int, slos: d
     plans which rates to measure and predicts: each call records its own (call_header)."""
     return {"num_gpus": num_gpus, "model": args.model or ("tiny" if setup.tiny else "llama-8b"), "device": setup.device,
             "max_num_seqs": setup.max_num_seqs, "warmup_s": setup.warmup_s, "duration_s": setup.duration_s,
-            "drain_s": setup.drain_s, "slos": slos}  # fmt: skip
+            "drain_s": setup.drain_s, "slos": slos,
+            **({"frontends": args.frontends} if args.frontends > 1 else {})}  # fmt: skip
 
 
 def call_header(setup: Setup, argv: list[str], profile: str) -> dict[str, Any]:
@@ -515,6 +523,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="a tiny model on CPU, two layouts, tiny rates")
     p.add_argument("--report", action="store_true", help="only write the table and its plots from --out")
     p.add_argument("--lanes", type=int, default=1, help="layouts measured at once, each on its own --gpus GPUs")
+    p.add_argument("--frontends", type=int, default=1, help="router processes of each cluster (a table's setting)")
     p.add_argument("--lane-gpus", default=None, help=argparse.SUPPRESS)  # NOTE: a lane's child (goodput_lanes.py)
     return p.parse_args(argv)
 
@@ -564,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             model = Path(args.model) if args.model else write_model(setup, scratch / "model")
             lane = tuple(args.lane_gpus.split(",")) if args.lane_gpus else ()
-            run_pairs(Context(setup, out, profile, model, scratch, deadline, slos, plans, header, lane), layouts, pairs)
+            ctx = Context(setup, out, profile, model, scratch, deadline, slos, plans, header, lane, args.frontends)
+            run_pairs(ctx, layouts, pairs)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
     if args.lane_gpus:

@@ -296,3 +296,22 @@ def test_report_writes_the_planned_table_without_a_gpu(tmp_path: Path) -> None:
         r["status"] == "not run" and r["predicted_goodput_per_gpu"] >= 0 for t in table["tables"] for r in t["rows"]
     )
     assert sorted(p.name for p in (out / "plans").iterdir())[-1] == "chat.ttft2000-tpot50.json"
+
+
+def test_several_front_ends_share_a_fixed_port_and_one_keeps_the_tables_settings(script: Any, tmp_path: Path) -> None:
+    profile = Profile.from_json(profile_doc(0.5, 20, 20, 1.0, gpus=2))
+    layout = next(x for x in layouts_for(2) if x.name == "1P:1D")
+
+    def argv(frontends: int) -> list[str]:
+        ctx = script.Context(script.SMOKE, tmp_path, profile, tmp_path / "model", tmp_path, script.Deadline(600.0), {},
+                             {}, {}, (), frontends)  # fmt: skip
+        return list(script.cluster_argv(ctx, layout, tmp_path / "run"))
+
+    one, four = argv(1), argv(4)
+    assert one[one.index("--port") + 1] == "0" and "--frontends" not in one
+    assert int(four[four.index("--port") + 1]) > 0 and four[four.index("--frontends") + 1] == "4"
+    args = script.parse_args(["--profile", "p", "--out", "o"])
+    settings = script.call_settings(args, script.GPU, 2, {})
+    assert "frontends" not in settings  # NOTE: tables measured before the flag existed go on
+    args.frontends = 4
+    assert script.call_settings(args, script.GPU, 2, {}) == settings | {"frontends": 4}
