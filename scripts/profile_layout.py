@@ -4,11 +4,13 @@ per length, and its decode step time per batch size and context, plus the KV tok
 profiles a worker of N GPUs (one process per rank, rank r on GPU r) and adds it to the "tp" section of the
 TP-1 profile already at --out (same shape, same GPU), so profile TP 1 first. --chunks adds to it the time of a
 pass computing a chunk of a prompt whose earlier tokens are cached, per chunk size and prefix (a chunk's
-attention reads its prefix: Profile.prefix_cost).
+attention reads its prefix: Profile.prefix_cost); --mps 30,50,70 each role's step time at those SM shares under
+MPS over its time with the whole GPU (Profile.slowdown; a prefill at the step budget, a decode step of 64 x 2048).
 
     python scripts/profile_layout.py --shape llama-8b --gpus 2 --out bench/out/profile-llama-8b.json
     python scripts/profile_layout.py --shape llama-8b --tp 2 --out bench/out/profile-llama-8b.json
     python scripts/profile_layout.py --shape llama-8b --chunks --out bench/out/profile-llama-8b.json
+    python scripts/profile_layout.py --shape llama-8b --mps 30,50,70 --out bench/out/profile-llama-8b.json
     python scripts/profile_layout.py --smoke [--tp 2] --out /tmp/profile.json  # tiny shape on CPU (gloo): no timings
     pdserve-plan --profile bench/out/profile-llama-8b.json --workload long-input --slo ttft:1000,tpot:15
 
@@ -28,6 +30,7 @@ import json
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +50,8 @@ from pdserve.core.engine import Engine
 from pdserve.core.parallel import ParallelConfig
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.scheduler import StepPlan
-from pdserve.router.plan.profile import PROFILE_VERSION, Profile
+from pdserve.router.placement import Mps
+from pdserve.router.plan.profile import PROFILE_VERSION, ROLES, Profile
 
 
 @dataclass(frozen=True)
@@ -274,6 +278,41 @@ def measure_chunks(folder: Path, device: str, grid: Grid, num_blocks: int | None
     return {"points": points}
 
 
+MPS_DECODE = (64, 2048)
+"""The decode step (batch, context) --mps times under each SM share."""
+
+
+def role_steps(engine: Engine, grid: Grid) -> dict[str, float]:
+    """A full-budget prefill (ms to its first token) and one MPS_DECODE decode step (ms) of this engine."""
+    batch, context = MPS_DECODE if max(grid.batches) >= MPS_DECODE[0] else (max(grid.batches), max(grid.contexts))
+    return {"prefill": prefill_ms(engine, grid.budget, grid.repeats)["ms"],
+            "decode": decode_ms(engine, batch, context, grid.steps)["ms"]}  # fmt: skip
+
+
+def measure_mps(shares: list[int], args: argparse.Namespace, scratch: Path) -> dict[str, dict[str, float]]:
+    """Each role's step time at each SM share over its time at 100%: one child process a share (--mps-child), each
+    a client of a private MPS daemon (router/placement.py Mps) with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, alone on
+    the GPU. Without MPS (--smoke on CPU) the children run as they are and the factors say nothing."""
+    mps = Mps(scratch / "mps", (100, 100))
+    started = mps.start(dict(os.environ))
+    if not started and not args.smoke:
+        raise RuntimeError("--mps needs nvidia-cuda-mps-control")
+    times = {}
+    try:
+        for share in (100, *shares):
+            out = scratch / f"mps-{share}.json"
+            client = mps.worker_env("profile", "prefill", os.environ.get("CUDA_VISIBLE_DEVICES")) if started else {}
+            env = os.environ | client | {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)}  # NOTE: GPUs by UUID
+            child = [sys.executable, __file__, "--mps-child", str(out), *(["--smoke"] if args.smoke else [])]
+            subprocess.run([*child, "--shape", args.shape, "--out", args.out], env=env, check=True)
+            times[share] = json.loads(out.read_text())
+            print(f"MPS share {share}%: {times[share]}", flush=True)
+    finally:
+        if started:
+            mps.stop(dict(os.environ))
+    return {role: {str(s): round(times[s][role] / times[100][role], 4) for s in shares} for role in ROLES}
+
+
 def rank_main(rank: int, size: int, folder: str, device: str, grid: Grid, num_blocks: int | None, out: str) -> None:
     """Rank `rank` of a worker of `size` ranks: every rank runs the same steps (their control flow depends on counts
     alone, the pool's size agreed by the group); rank 0 reports and writes the costs to out."""
@@ -298,8 +337,10 @@ def measure_tp(size: int, folder: Path, device: str, grid: Grid, num_blocks: int
 
 
 def tp1_profile(out: Path, args: argparse.Namespace, gpu: str) -> dict[str, Any]:
-    """The TP-1 profile at out that --tp / --chunks adds to; ValueError when there is none of this shape and GPU."""
-    flag = "--chunks" if args.chunks else f"--tp {args.tp}"
+    """The TP-1 profile at out that --tp / --chunks / --mps adds to; ValueError when there is none of this shape and
+    GPU."""
+    adding = added_section(args)
+    flag = adding[1] if adding else f"--tp {args.tp}"
     if not out.exists():
         raise ValueError(f"{flag} adds to the TP-1 profile at --out: profile TP 1 into {out} first")
     doc: dict[str, Any] = json.loads(out.read_text())
@@ -320,10 +361,28 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny shape on CPU, float32: runs end to end")
     p.add_argument("--tp", type=int, default=1, help="TP size of the worker profiled; > 1 adds it to --out's profile")
     p.add_argument("--chunks", action="store_true", help="add the chunk-at-prefix costs to --out's TP-1 profile")
+    p.add_argument("--mps", default=None, metavar="SHARES", help="e.g. 30,50,70: add each role's slowdown at these SM "
+                   "shares (percent) to --out's TP-1 profile")  # fmt: skip
+    p.add_argument("--mps-child", default=None, help=argparse.SUPPRESS)  # NOTE: one share's run (measure_mps)
     p.add_argument("--max-model-len", type=int, default=None, help="recorded for the planner (default: the shape's)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (default: sized from free memory)")
     p.add_argument("--out", required=True, help="write the profile here (--tp > 1: the TP-1 profile to add to)")
     return p.parse_args()
+
+
+def added_section(args: argparse.Namespace) -> tuple[str, str] | None:
+    """(section, flag) a call adds to the TP-1 profile at --out (--chunks, --mps); None otherwise."""
+    if args.chunks:
+        return "chunks", "--chunks"
+    return ("mps_slowdown", "--mps") if args.mps else None
+
+
+def mps_shares(spec: str) -> list[int]:
+    """'30,50' -> [30, 50]; ValueError outside 1..99."""
+    shares = [int(s) for s in spec.split(",") if s.strip()]
+    if not shares or not all(1 <= s <= 99 for s in shares):
+        raise ValueError(f"--mps {spec}: SM shares in percent, each 1 to 99")
+    return shares
 
 
 def main() -> int:
@@ -333,26 +392,35 @@ def main() -> int:
         print(f"needs {args.tp} CUDA device(s) (--smoke runs on CPU)", file=sys.stderr)
         return 2
     gpu, out = torch.cuda.get_device_name() if device == "cuda" else "cpu", Path(args.out)
+    adding = added_section(args)
     try:
-        if args.chunks and args.tp > 1:
-            raise ValueError("--chunks measures TP 1 (the planner splits it over a TP worker's ranks): drop --tp")
-        base = tp1_profile(out, args, gpu) if args.tp > 1 or args.chunks else None
+        if adding and args.tp > 1:
+            raise ValueError(f"{adding[1]} measures TP 1 (the planner applies it to a TP worker): drop --tp")
+        shares = mps_shares(args.mps) if args.mps else []
+        base = tp1_profile(out, args, gpu) if (args.tp > 1 or adding) and not args.mps_child else None
     except ValueError as exc:
         print(f"profile_layout.py: {exc}", file=sys.stderr)
         return 2
     os.environ.update(MULTICAST_OFF)  # NOTE: before any rank (or CUDA context) exists
     grid = SMOKE_GRID if args.smoke else GPU_GRID
-    folder = write_model(args.shape, Path(tempfile.mkdtemp(prefix="profile_layout_")), dict(TINY) if args.smoke else {})
+    scratch = Path(tempfile.mkdtemp(prefix="profile_layout_"))
+    folder = write_model(args.shape, scratch, dict(TINY) if args.smoke else {})
     num_blocks = args.num_blocks or (256 if args.smoke else None)
+    if args.mps_child:
+        engine = make_engine(folder, device, grid, num_blocks, ParallelConfig())
+        Path(args.mps_child).write_text(json.dumps(role_steps(engine, grid)))
+        return 0
     if args.chunks:
         costs = measure_chunks(folder, device, grid, num_blocks)
+    elif args.mps:
+        costs = measure_mps(shares, args, scratch)
     elif args.tp > 1:
         costs = measure_tp(args.tp, folder, device, grid, num_blocks)
     else:
         costs = measure(make_engine(folder, device, grid, num_blocks, ParallelConfig()), grid)
     command = shlex.join([sys.executable, *sys.argv])
-    if base is not None and args.chunks:
-        doc = base | {"chunks": costs | {"command": command}}
+    if base is not None and adding:
+        doc = base | {adding[0]: costs | {"command": command}}
     elif base is not None:
         doc = base | {"tp": base.get("tp", {}) | {str(args.tp): costs | {"command": command}}}
     else:
@@ -367,7 +435,7 @@ def main() -> int:
     Profile.from_json(doc).at_tp(args.tp)  # NOTE: the planner must read what was written
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    section = " (chunks section)" if args.chunks else f" (TP {args.tp} section)" if base is not None else ""
+    section = f" ({adding[0]} section)" if adding else f" (TP {args.tp} section)" if base is not None else ""
     print(f"wrote {out}{section}")
     return 0
 

@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 PROFILE_VERSION = 1
+ROLES = ("prefill", "decode")
+"""The roles an "mps_slowdown" section measures (its other keys, such as the command, are not read)."""
 TP_SECTION_KEYS = ("prefill", "decode", "kv_capacity_tokens")
 """What a "tp" section entry measures with a worker of its TP size; the rest (GPU, model, handoff, MPS slowdown)
 comes from the top level."""
@@ -156,7 +158,7 @@ class Profile:
             handoff_ms_per_token=float(handoff.get("ms_per_token", 0.0)),
             model=dict(data.get("model", {})),
             mps_slowdown={role: {int(k): float(v) for k, v in by.items()}
-                          for role, by in data.get("mps_slowdown", {}).items()},
+                          for role, by in data.get("mps_slowdown", {}).items() if role in ROLES},
             chunk_points=chunk_points(data.get("chunks", {}).get("points", [])),
             tp_size=tp_size, by_tp=by_tp,
         )  # fmt: skip

@@ -88,3 +88,29 @@ def test_smoke_chunks_add_each_chunk_sizes_passes_by_prefix(tmp_path: Path) -> N
     # NOTE: the smoke shape's context is 512: passes of 64 at prefixes 0..448 (the last one a token short)
     assert [(c, p) for c, p, _ in points] == [(64, 64 * k) for k in range(8)] + [(128, 128 * k) for k in range(4)]
     assert all(ms > 0 for _, _, ms in points)
+
+
+def test_smoke_mps_adds_each_roles_slowdown_per_share(tmp_path: Path) -> None:
+    """On CPU there is no MPS: the children run as they are, so this checks the flow and the section, not factors."""
+    out = tmp_path / "profile.json"
+    script = [sys.executable, str(ROOT / "scripts" / "profile_layout.py"), "--smoke", "--out", str(out)]
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*script, *extra], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+
+    refused = run("--mps", "50")
+    assert refused.returncode == 2 and "--mps adds to the TP-1 profile" in refused.stderr and not out.exists()
+    one = profile_doc(0.1, 1.0, 1.0, 0.1) | {"gpu": "cpu", "model": {"shape": "llama-8b", "smoke": True}}
+    out.write_text(json.dumps(one))
+    assert run("--mps", "0,50").returncode == 2 and run("--mps", "50", "--tp", "2").returncode == 2
+    proc = run("--mps", "30,50")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert {k: v for k, v in doc.items() if k != "mps_slowdown"} == one
+    assert "--mps 30,50" in doc["mps_slowdown"]["command"]
+    assert [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("MPS share")] == [
+        "MPS share 100%", "MPS share 30%", "MPS share 50%"]  # fmt: skip
+    slowdown = Profile.read(out).mps_slowdown
+    assert set(slowdown) == {"prefill", "decode"} and all(set(by) == {30, 50} for by in slowdown.values())
+    assert all(factor > 0 for by in slowdown.values() for factor in by.values())
