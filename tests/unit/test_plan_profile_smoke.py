@@ -15,10 +15,23 @@ from tests.child_env import ROOT, child_env
 from tests.unit.test_plan_model import profile_doc
 
 
+def run_smoke(tmp_path: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """profile_layout.py --smoke --out out, and extra."""
+    argv = [sys.executable, str(ROOT / "scripts" / "profile_layout.py"), "--smoke", "--out", str(out), *extra]
+    return subprocess.run(argv, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
+
+
+def stand_in_profile(out: Path) -> dict:
+    """Writes a TP-1 profile of the smoke shape on cpu at out, standing for `--smoke` at TP 1 (the test below runs
+    that) for the calls that add to it; the document."""
+    doc = profile_doc(0.1, 1.0, 1.0, 0.1) | {"gpu": "cpu", "model": {"shape": "llama-8b", "smoke": True}}
+    out.write_text(json.dumps(doc))
+    return doc
+
+
 def test_smoke_profile_is_read_and_planned_from(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
-    argv = [sys.executable, str(ROOT / "scripts" / "profile_layout.py"), "--smoke", "--gpus", "2", "--out", str(out)]
-    proc = subprocess.run(argv, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300)
+    proc = run_smoke(tmp_path, out, "--gpus", "2")
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert doc["gpu"] == "cpu" and doc["model"]["smoke"] and doc["model"]["max_model_len"] == 512
@@ -35,17 +48,10 @@ def test_smoke_profile_is_read_and_planned_from(tmp_path: Path) -> None:
 
 def test_smoke_profile_at_tp_2_adds_a_tp_section_the_planner_compares(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
-    script = [sys.executable, str(ROOT / "scripts" / "profile_layout.py"), "--smoke", "--out", str(out)]
-
-    def run(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*script, *extra], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
-
-    refused = run("--tp", "2")
+    refused = run_smoke(tmp_path, out, "--tp", "2")
     assert refused.returncode == 2 and "profile TP 1 into" in refused.stderr and not out.exists()
-    one = profile_doc(0.1, 1.0, 1.0, 0.1) | {"gpu": "cpu", "model": {"shape": "llama-8b", "smoke": True}}
-    out.write_text(json.dumps(one))  # NOTE: stands for `--smoke` at TP 1 (the test above runs that)
-    proc = run("--tp", "2")  # NOTE: two gloo ranks on CPU
+    one = stand_in_profile(out)
+    proc = run_smoke(tmp_path, out, "--tp", "2")  # NOTE: two gloo ranks on CPU
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert {k: v for k, v in doc.items() if k != "tp"} == one and list(doc["tp"]) == ["2"]
@@ -69,18 +75,11 @@ def test_smoke_profile_at_tp_2_adds_a_tp_section_the_planner_compares(tmp_path: 
 
 def test_smoke_chunks_add_each_chunk_sizes_passes_by_prefix(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
-    script = [sys.executable, str(ROOT / "scripts" / "profile_layout.py"), "--smoke", "--chunks", "--out", str(out)]
-
-    def run(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*script, *extra], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
-
-    refused = run()
+    refused = run_smoke(tmp_path, out, "--chunks")
     assert refused.returncode == 2 and "--chunks adds to the TP-1 profile" in refused.stderr and not out.exists()
-    one = profile_doc(0.1, 1.0, 1.0, 0.1) | {"gpu": "cpu", "model": {"shape": "llama-8b", "smoke": True}}
-    out.write_text(json.dumps(one))
-    assert run("--tp", "2").returncode == 2
-    proc = run()
+    one = stand_in_profile(out)
+    assert run_smoke(tmp_path, out, "--chunks", "--tp", "2").returncode == 2
+    proc = run_smoke(tmp_path, out, "--chunks")
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert {k: v for k, v in doc.items() if k != "chunks"} == one and "--chunks" in doc["chunks"]["command"]
@@ -93,18 +92,14 @@ def test_smoke_chunks_add_each_chunk_sizes_passes_by_prefix(tmp_path: Path) -> N
 def test_smoke_mps_adds_each_roles_slowdown_per_share(tmp_path: Path) -> None:
     """On CPU there is no MPS: the children run as they are, so this checks the flow and the section, not factors."""
     out = tmp_path / "profile.json"
-    script = [sys.executable, str(ROOT / "scripts" / "profile_layout.py"), "--smoke", "--out", str(out)]
-
-    def run(*extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*script, *extra], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
-
-    refused = run("--mps", "50")
+    refused = run_smoke(tmp_path, out, "--mps", "50")
     assert refused.returncode == 2 and "--mps adds to the TP-1 profile" in refused.stderr and not out.exists()
-    one = profile_doc(0.1, 1.0, 1.0, 0.1) | {"gpu": "cpu", "model": {"shape": "llama-8b", "smoke": True}}
-    out.write_text(json.dumps(one))
-    assert run("--mps", "0,50").returncode == 2 and run("--mps", "50", "--tp", "2").returncode == 2
-    proc = run("--mps", "30,50")
+    one = stand_in_profile(out)
+    assert (
+        run_smoke(tmp_path, out, "--mps", "0,50").returncode == 2
+        and run_smoke(tmp_path, out, "--mps", "50", "--tp", "2").returncode == 2
+    )
+    proc = run_smoke(tmp_path, out, "--mps", "30,50")
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert {k: v for k, v in doc.items() if k != "mps_slowdown"} == one
