@@ -115,7 +115,9 @@ def gpu_uuids() -> dict[str, str]:
         return {}
     query = [exe, "--query-gpu=index,uuid", "--format=csv,noheader"]
     done = subprocess.run(query, capture_output=True, text=True, check=False, timeout=30)
-    rows = [line.split(",") for line in done.stdout.splitlines() if done.returncode == 0]
+    if done.returncode != 0:
+        return {}
+    rows = [line.split(",") for line in done.stdout.splitlines()]
     return {row[0].strip(): row[1].strip() for row in rows if len(row) == 2}
 
 

@@ -69,10 +69,14 @@ class Grid:
     """Timed prefills per length."""
     chunks: tuple[int, ...]
     """Chunk sizes (step budgets) of --chunks: one prompt of the whole context, a pass per chunk."""
+    mps_decode: tuple[int, int]
+    """The decode step (batch, context) --mps times under each SM share."""
 
 
-GPU_GRID = Grid((128, 512, 1024, 2048, 4096, 8192), (1, 16, 64, 128), (512, 2048, 8192), 4096, 20, 3, (512, 2048, 4096))
-SMOKE_GRID = Grid((16, 64, 128), (1, 4), (32, 128), 64, 3, 2, (64, 128))
+GPU_GRID = Grid(
+    (128, 512, 1024, 2048, 4096, 8192), (1, 16, 64, 128), (512, 2048, 8192), 4096, 20, 3, (512, 2048, 4096), (64, 2048)
+)
+SMOKE_GRID = Grid((16, 64, 128), (1, 4), (32, 128), 64, 3, 2, (64, 128), (4, 128))
 
 
 class PassSpans:
@@ -278,15 +282,10 @@ def measure_chunks(folder: Path, device: str, grid: Grid, num_blocks: int | None
     return {"points": points}
 
 
-MPS_DECODE = (64, 2048)
-"""The decode step (batch, context) --mps times under each SM share."""
-
-
 def role_steps(engine: Engine, grid: Grid) -> dict[str, float]:
-    """A full-budget prefill (ms to its first token) and one MPS_DECODE decode step (ms) of this engine."""
-    batch, context = MPS_DECODE if max(grid.batches) >= MPS_DECODE[0] else (max(grid.batches), max(grid.contexts))
+    """A full-budget prefill (ms to its first token) and one grid.mps_decode decode step (ms) of this engine."""
     return {"prefill": prefill_ms(engine, grid.budget, grid.repeats)["ms"],
-            "decode": decode_ms(engine, batch, context, grid.steps)["ms"]}  # fmt: skip
+            "decode": decode_ms(engine, *grid.mps_decode, grid.steps)["ms"]}  # fmt: skip
 
 
 def measure_mps(shares: list[int], args: argparse.Namespace, scratch: Path) -> dict[str, dict[str, float]]:

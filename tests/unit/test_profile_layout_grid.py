@@ -22,7 +22,7 @@ def profile_layout() -> Iterator[Any]:
 
 
 def test_largest_fitting_counts_the_output_budget_in_whole_blocks(profile_layout: Any) -> None:
-    grid = profile_layout.Grid((16,), (1, 4), (128,), 64, 3, 2, ())
+    grid = profile_layout.Grid((16,), (1, 4), (128,), 64, 3, 2, (), (4, 128))
     # NOTE: a sequence holds 128 prompt + 23 output tokens = 10 blocks of 16; 4 of them need 640 tokens
     assert profile_layout.output_budget(4, 128, 3, 64) == 23
     assert profile_layout.fits(640, 4, 128, grid, 16) and not profile_layout.fits(639, 4, 128, grid, 16)
@@ -31,7 +31,7 @@ def test_largest_fitting_counts_the_output_budget_in_whole_blocks(profile_layout
 
 
 def test_decode_grid_measures_the_largest_batch_the_pool_holds(profile_layout: Any, tmp_path: Path) -> None:
-    grid = profile_layout.Grid((16,), (1, 4), (128,), 64, 3, 2, ())
+    grid = profile_layout.Grid((16,), (1, 4), (128,), 64, 3, 2, (), (4, 128))
     folder = profile_layout.write_model("llama-8b", tmp_path, dict(profile_layout.TINY))
     engine = profile_layout.make_engine(folder, "cpu", grid, 38, profile_layout.ParallelConfig())
     capacity = (engine.pool.num_blocks - 1) * engine.config.cache.block_size
