@@ -27,7 +27,8 @@ KV pools: each worker sizes its own from free memory, as profile_layout.py's eng
 GPU every worker gets a fixed pool of the planner's KV capacity for the decode worker there (half the profile's):
 two workers sizing theirs from free memory at once can run the GPU out of memory.
 
-Writes --out/run.json (settings, every call's command), plans/ (the planner's JSON per workload and SLO),
+Writes --out/run.json (settings, every call's command and profile), plans/ (the planner's JSON per workload and SLO,
+cached per profile),
 sweeps/LAYOUT/ (per workload: each rate's detailed JSON, the summary, one rescored summary per SLO; logs),
 table.json, table.md and plots/WORKLOAD.SLO/*.png. Every file names the GPU and the commands that made it (a plot:
 its folder's table). Past --deadline-s the run stops

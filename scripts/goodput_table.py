@@ -201,9 +201,19 @@ TABLE_HEAD = ("| layout | measured req/s/GPU | highest rate met | predicted req/
               "|---|---|---|---|---|---|")  # fmt: skip
 TABLE_NOTE = (
     "Goodput: the rate at which 90% of requests meet every SLO, interpolated between the measured rates, per GPU "
-    "(>=: every rate measured met it; <: none did). Error: (predicted - measured) / measured. Plots: "
-    "plots/WORKLOAD.SLO/ (attainment and goodput per GPU vs rate, one line per layout)."
+    "(>=: every rate measured met it; <: none did). Error: (predicted - measured) / measured. Under each table: its "
+    "plots (attainment and goodput per GPU vs rate, one line per layout), and each measured row's sweep and its "
+    "rescoring under the table's SLO."
 )
+
+
+def files_md(t: dict[str, Any]) -> list[str]:
+    """The files of one table (workload and SLO): its plots, and the sweep and its rescoring of each measured row."""
+    tag = f"{t['workload']}.{t['slo']}"
+    plots = [f"plots/{tag}/{name}.png" for name in ("attainment_vs_rate", "goodput_per_gpu_vs_rate")]
+    measured = [f"sweeps/{layout_tag(r['layout'])}/{t['workload']}" for r in t["rows"] if r.get("rates")]
+    sweeps = [f"{pair}{suffix}.json" for pair in measured for suffix in ("", f".{t['slo']}")]
+    return ["", "Files: " + ", ".join(f"`{f}`" for f in [*plots, *sweeps]) + "."]
 
 
 def table_md(table: dict[str, Any]) -> str:
@@ -227,4 +237,5 @@ def table_md(table: dict[str, Any]) -> str:
         lines.append(f"Best disaggregated / best colocated: measured {m['best_disaggregated']} / "
                      f"{m['best_colocated']} = {fmt(m['ratio'], '.2f')}; predicted {p['best_disaggregated']} / "
                      f"{p['best_colocated']} = {fmt(p['ratio'], '.2f')}.")  # fmt: skip
+        lines += files_md(t)
     return "\n".join([*lines, "", "## Commands", "", "```", *table["commands"], "```", ""])
