@@ -120,18 +120,18 @@ class FusedAllReduceNorm:
                  device: torch.device) -> None:  # fmt: skip
         import torch.distributed._symmetric_memory as symm_mem
 
-        from pdserve.kernels.allreduce_norm import PROGRAMS, triton
+        from pdserve.kernels.allreduce_norm import PROGRAMS, SLOTS, fill_sentinel, triton
 
         if triton is None:
             raise RuntimeError("the fused all-reduce + RMSNorm needs triton")
         self.rank, self.rows, self.hidden, self.dtype = rank, rows, hidden, dtype
-        buffer = symm_mem.empty(rows * hidden, dtype=dtype, device=device)  # [rows * hidden]
         size = dist.get_world_size(group)
-        self.flags = symm_mem.empty(2 * PROGRAMS * size, dtype=torch.int32, device=device).zero_()
-        torch.cuda.synchronize(device)  # NOTE: zeroed before the rendezvous lets any peer signal into them
-        self.buffer, handles = buffer, [symm_mem.rendezvous(t, group.group_name) for t in (buffer, self.flags)]
-        self.buffer_ptrs = torch.tensor(handles[0].buffer_ptrs, dtype=torch.int64, device=device)  # [size]
-        self.flag_ptrs = torch.tensor(handles[1].buffer_ptrs, dtype=torch.int64, device=device)  # [size]
+        buffer = symm_mem.empty(SLOTS * size * rows * hidden, dtype=dtype, device=device)  # [SLOTS, size, rows, hidden]
+        fill_sentinel(buffer)
+        torch.cuda.synchronize(device)  # NOTE: every element the sentinel before the rendezvous lets a peer write
+        self.buffer, handle = buffer, symm_mem.rendezvous(buffer, group.group_name)
+        self.buffer_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)  # [size]
+        self.slot_rows = torch.zeros(SLOTS, dtype=torch.int32, device=device)  # [SLOTS]
         self.epochs = torch.ones(PROGRAMS, dtype=torch.int32, device=device)  # [PROGRAMS]
 
     def fits(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -146,7 +146,9 @@ class FusedAllReduceNorm:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from pdserve.kernels.allreduce_norm import all_reduce_rms_norm
 
-        return all_reduce_rms_norm(x, residual, weight, eps, self.buffer_ptrs, self.flag_ptrs, self.epochs, self.rank)
+        return all_reduce_rms_norm(
+            x, residual, weight, eps, self.buffer_ptrs, self.slot_rows, self.epochs, self.rows, self.rank
+        )
 
 
 class TPGroup:

@@ -2,25 +2,30 @@
 follow it (Triton over symmetric memory): one kernel where the unfused path launches three (a copy into the
 symmetric buffer, the one-shot all-reduce, the norm).
 
+The data is its own flag (Lamport's scheme, as TensorRT-LLM's low-latency all-reduce): every rank writes its
+partial rows straight into every peer's buffer, and a reader waits until no element of what it reads is still
+the sentinel -0.0 (a written -0.0 goes as +0.0: the same sum). No flag, no barrier and no remote read sits on
+the critical path, only one NVLink write.
+
 Memory (core/parallel.py FusedAllReduceNorm allocates and maps it; every rank alike):
-    buffer  [rows * hidden] symmetric: this rank's partial rows, read by every peer over NVLink
-    flags   [2, PROGRAMS, world] int32 symmetric: flags[0, p, q] = the last call in which peer q's program p had
-            copied its rows ("ready"), flags[1, p, q] = the last call in which it had read ours ("done")
-    epochs  [PROGRAMS] int32, local: the number of the call each program runs next (from 1)
+    buffer     [SLOTS, world, rows, hidden] symmetric, every element -0.0 at start: slot s, region q holds rank
+               q's partial rows of the call using slot s
+    slot_rows  [SLOTS] int32, local: rows of the last call that used each slot (what the clean-up clears)
+    epochs     [PROGRAMS] int32, local: the number of the call each program runs next (from 1)
 
 A launch always has PROGRAMS programs; program p owns rows p, p + PROGRAMS, ... of every call, so its epoch
-and flags stay in step with its peers' program p whatever the row count. Program p of call e:
-    1. waits until every peer has read our rows of call e - 1 (done == e - 1),
-    2. copies its rows of x into our buffer, then tells each peer "ready e",
-    3. waits for every peer's "ready e", sums the rows over the ranks in rank order (float32, so every rank
-       gets the same bits), rounds to x's dtype as an all-reduce would, adds the residual and normalizes as
-       kernels/fused_ops.py's RMSNorm does,
-    4. tells each peer "done e".
-Only step 3's wait is on the critical path: the peers read our previous rows long before we rewrite them.
-A wait that lasts SPIN_TIMEOUT_NS traps (a dead peer fails the process instead of hanging it).
+stays in step with its peers' program p whatever the row count. Call e uses slot e % SLOTS. Program p of call e:
+    1. writes its rows of x into region `rank` of slot e % SLOTS of every rank's buffer,
+    2. waits until the other regions of those rows hold no sentinel, sums the rows over the ranks in rank order
+       (float32, so every rank gets the same bits), rounds to x's dtype as an all-reduce would, adds the
+       residual and normalizes as kernels/fused_ops.py's RMSNorm does,
+    3. sets its rows of slot (e - 1) % SLOTS back to the sentinel.
+Why three slots suffice: a peer writes call e + 2's rows (the slot step 3 clears) only after it has read our
+rows of call e + 1, which we write after this call; and it writes call e + 1's rows (another slot) while we may
+still read call e's. A wait that lasts SPIN_TIMEOUT_NS traps (a dead peer fails the process instead of hanging).
 
-Flags and epochs only ever move forward together on all ranks: every rank must make the same sequence of
-calls (the group's ranks run the same passes in the same order), eagerly or inside CUDA graphs.
+Every rank must make the same sequence of calls (the group's ranks run the same passes in the same order),
+eagerly or inside CUDA graphs.
 
 NOTE: triton is optional (the `gpu` extra): without it this module imports and nothing here can launch.
 """
@@ -38,11 +43,23 @@ except ImportError:  # pragma: no cover - CPU installs without the `gpu` extra
 
 PROGRAMS = 64
 """Programs per launch: the rows of a decode batch of up to 64 sequences each get their own."""
+SLOTS = 3
+"""Buffers a rank cycles through: the call being read, the next one a peer may already write, the one cleared."""
 SPIN_TIMEOUT_NS = 30_000_000_000
 """How long a program waits on a peer before it traps (the TP group's collective timeout is 60 s)."""
+SENTINEL_BITS = {16: -(2**15), 32: -(2**31)}
+"""Element width -> the bits of -0.0 as a signed integer of that width (the sign bit alone)."""
+
+
+def fill_sentinel(buffer: Tensor) -> None:
+    """Every element of buffer (a 16- or 32-bit float tensor) set to -0.0, the 'not written yet' mark."""
+    bits = buffer.element_size() * 8
+    buffer.view({16: torch.int16, 32: torch.int32}[bits]).fill_(SENTINEL_BITS[bits])
 
 
 if triton is not None:
+    SENTINEL_INT = {16: tl.int16, 32: tl.int32}
+    """Element width -> the integer type the kernel reads a float's bits as."""
 
     @triton.jit
     def _now_ns(anchor):
@@ -56,22 +73,27 @@ if triton is not None:
         tl.inline_asm_elementwise("trap;", "=r,r", [anchor], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _wait_flag(flag_ptr, value, TIMEOUT_NS: tl.constexpr):
-        """Spin until *flag_ptr == value (acquire at system scope: the peer's writes before its release are
-        visible after); trap after TIMEOUT_NS."""
-        start = _now_ns(value)
-        while tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") != value:
-            if _now_ns(value) - start > TIMEOUT_NS:
-                _trap(value)
+    def _buffer(buffer_ptrs, q, dtype: tl.constexpr):
+        """Rank q's buffer as mapped here (symmetric memory is allocated 16-byte aligned or better)."""
+        return tl.multiple_of(tl.load(buffer_ptrs + q).to(tl.pointer_type(dtype)), 16)
 
     @triton.jit
-    def _signal_peers(flag_ptrs, index, value, RANK: tl.constexpr, WORLD: tl.constexpr):
-        """flags[index] = value on every peer (release at system scope, after this program's writes)."""
-        tl.debug_barrier()  # NOTE: every thread's writes before the one thread's release
-        for q in tl.static_range(WORLD):
-            if q != RANK:
-                peer = tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int32))
-                tl.atomic_xchg(peer + index, value, sem="release", scope="sys")
+    def _without_sentinel(v, INT: tl.constexpr, SENTINEL: tl.constexpr):
+        """v with every -0.0 made +0.0 (in integer ops, which no float rewrite can fold away)."""
+        bits = v.to(INT, bitcast=True)
+        return tl.where(bits == SENTINEL, 0, bits).to(v.dtype, bitcast=True)
+
+    @triton.jit
+    def _wait_written(ptr, mask, INT: tl.constexpr, SENTINEL: tl.constexpr, TIMEOUT_NS: tl.constexpr):
+        """The elements at ptr once none of them is the sentinel (volatile loads: a peer's NVLink writes land
+        there); trap after TIMEOUT_NS."""
+        part = tl.load(ptr, mask=mask, other=0.0, volatile=True)
+        start = _now_ns(SENTINEL)
+        while tl.max(((part.to(INT, bitcast=True) == SENTINEL) & mask).to(tl.int32), axis=0) > 0:
+            if _now_ns(SENTINEL) - start > TIMEOUT_NS:
+                _trap(SENTINEL)
+            part = tl.load(ptr, mask=mask, other=0.0, volatile=True)
+        return part
 
     @triton.jit(do_not_specialize=["num_rows"])
     def _all_reduce_rms_norm_kernel(
@@ -80,15 +102,19 @@ if triton is not None:
         weight_ptr,  # [hidden]
         out_ptr,  # [num_rows, hidden]: rms_norm(sum + residual)
         residual_out_ptr,  # [num_rows, hidden]: sum + residual
-        buffer_ptrs,  # [WORLD] int64: each rank's symmetric buffer, as mapped here
-        flag_ptrs,  # [WORLD] int64: each rank's flags [2, PROGRAMS, WORLD]
+        buffer_ptrs,  # [WORLD] int64: each rank's buffer [SLOTS, WORLD, capacity, hidden], as mapped here
+        slot_rows_ptr,  # [SLOTS] int32
         epochs_ptr,  # [PROGRAMS] int32
         num_rows,
+        capacity,
         hidden,
         eps,
         RANK: tl.constexpr,
         WORLD: tl.constexpr,
         PROGRAMS: tl.constexpr,
+        SLOTS: tl.constexpr,
+        INT: tl.constexpr,
+        SENTINEL: tl.constexpr,
         BLOCK: tl.constexpr,
         TIMEOUT_NS: tl.constexpr,
     ):
@@ -97,28 +123,24 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         mask = offs < hidden
         epoch = tl.load(epochs_ptr + pid)
-        flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int32))
-        ready, done = pid * WORLD, (PROGRAMS + pid) * WORLD  # this program's [WORLD] slots of each kind
-        mine = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(dtype))
-        for q in tl.static_range(WORLD):
-            if q != RANK:
-                _wait_flag(flags + done + q, epoch - 1, TIMEOUT_NS)
+        region = tl.cast(capacity, tl.int64) * hidden
+        slot = (epoch % SLOTS) * WORLD * region
+        mine = _buffer(buffer_ptrs, RANK, dtype)
         for row in range(pid, num_rows, PROGRAMS):
             base = tl.cast(row, tl.int64) * hidden
-            tl.store(mine + base + offs, tl.load(x_ptr + base + offs, mask=mask), mask=mask)
-        _signal_peers(flag_ptrs, ready + RANK, epoch, RANK, WORLD)
-        for q in tl.static_range(WORLD):
-            if q != RANK:
-                _wait_flag(flags + ready + q, epoch, TIMEOUT_NS)
+            part = _without_sentinel(tl.load(x_ptr + base + offs, mask=mask), INT, SENTINEL)
+            for q in tl.static_range(WORLD):
+                if q != RANK:
+                    peer = _buffer(buffer_ptrs, q, dtype)
+                    tl.store(peer + slot + RANK * region + base + offs, part, mask=mask)
         for row in range(pid, num_rows, PROGRAMS):
             base = tl.cast(row, tl.int64) * hidden
             total = tl.zeros([BLOCK], dtype=tl.float32)
             for q in tl.static_range(WORLD):  # NOTE: rank order on every rank: the same bits everywhere
                 if q == RANK:
-                    part = tl.load(x_ptr + base + offs, mask=mask, other=0.0)
+                    part = _without_sentinel(tl.load(x_ptr + base + offs, mask=mask, other=0.0), INT, SENTINEL)
                 else:
-                    peer = tl.load(buffer_ptrs + q).to(tl.pointer_type(dtype))
-                    part = tl.load(peer + base + offs, mask=mask, other=0.0, cache_modifier=".cv")
+                    part = _wait_written(mine + slot + q * region + base + offs, mask, INT, SENTINEL, TIMEOUT_NS)
                 total += part.to(tl.float32)
             r = tl.load(residual_ptr + base + offs, mask=mask, other=0.0)
             s = (total.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # the all-reduce's bits, then +
@@ -127,7 +149,15 @@ if triton is not None:
             normed = (s32 * tl.math.rsqrt(tl.sum(s32 * s32, axis=0) / hidden + eps)).to(dtype)
             w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
             tl.store(out_ptr + base + offs, (normed.to(tl.float32) * w.to(tl.float32)).to(dtype), mask=mask)
-        _signal_peers(flag_ptrs, done + RANK, epoch, RANK, WORLD)
+        previous = (epoch + SLOTS - 1) % SLOTS
+        sentinel = tl.full([BLOCK], SENTINEL, INT).to(dtype, bitcast=True)
+        for row in range(pid, tl.load(slot_rows_ptr + previous), PROGRAMS):
+            base = previous * WORLD * region + tl.cast(row, tl.int64) * hidden
+            for q in tl.static_range(WORLD):
+                if q != RANK:
+                    tl.store(mine + base + q * region + offs, sentinel, mask=mask)
+        if pid == 0:
+            tl.store(slot_rows_ptr + epoch % SLOTS, num_rows)
         tl.store(epochs_ptr + pid, epoch + 1)
 
 
@@ -136,19 +166,21 @@ def all_reduce_rms_norm(
     residual: Tensor,  # [num_rows, hidden]
     weight: Tensor,  # [hidden], x's dtype
     eps: float,
-    buffer_ptrs: Tensor,  # [world] int64
-    flag_ptrs: Tensor,  # [world] int64
+    buffer_ptrs: Tensor,  # [world] int64: each rank's buffer [SLOTS, world, capacity, hidden]
+    slot_rows: Tensor,  # [SLOTS] int32
     epochs: Tensor,  # [PROGRAMS] int32
+    capacity: int,
     rank: int,
 ) -> tuple[Tensor, Tensor]:  # (rms_norm(sum + residual), sum + residual), new tensors
     """(rms_norm(sum over ranks of x + residual), sum + residual) in one launch; the caller checks that the
     message fits the buffer (core/parallel.py FusedAllReduceNorm.fits)."""
     num_rows, hidden = x.shape
     out, residual_out = torch.empty_like(x), torch.empty_like(x)
-    block = triton.next_power_of_2(hidden)
+    block, bits = triton.next_power_of_2(hidden), x.element_size() * 8
     _all_reduce_rms_norm_kernel[(PROGRAMS,)](
-        x, residual, weight, out, residual_out, buffer_ptrs, flag_ptrs, epochs, num_rows, hidden, eps,
-        RANK=rank, WORLD=buffer_ptrs.numel(), PROGRAMS=PROGRAMS, BLOCK=block, TIMEOUT_NS=SPIN_TIMEOUT_NS,
+        x, residual, weight, out, residual_out, buffer_ptrs, slot_rows, epochs, num_rows, capacity, hidden, eps,
+        RANK=rank, WORLD=buffer_ptrs.numel(), PROGRAMS=PROGRAMS, SLOTS=SLOTS, INT=SENTINEL_INT[bits],
+        SENTINEL=SENTINEL_BITS[bits], BLOCK=block, TIMEOUT_NS=SPIN_TIMEOUT_NS,
         num_warps=min(16, max(1, block // 256)),  # NOTE: fused_ops.py's RMSNorm's: the same reduction, bits
     )  # fmt: skip
     return out, residual_out

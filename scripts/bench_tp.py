@@ -99,6 +99,10 @@ class Setup:
     """Blocks of one handoff: a prompt of handoff_blocks * 16 tokens."""
     decode_gpu: int = 0
     """GPU of the handoff's decode rank 0 (its rank r on decode_gpu + r): 0 shares the prefill ranks' GPUs."""
+    profile: bool = False
+    """Also record each batch's captured decode step kernel by kernel (torch.profiler, rank 0)."""
+    decode_runs: tuple[str, ...] = ()
+    """The decode part's runs (DECODE_RUNS names; tp1 always among them)."""
 
     @property
     def dtype(self) -> str:
@@ -124,9 +128,11 @@ class Setup:
 
 def make_setup(args: argparse.Namespace, work_dir: str) -> Setup:
     if args.smoke:
-        return Setup("cpu", work_dir, TINY_LLAMA, 24, (1, 4), 2, 4, (1, 8), 8, 3, 64, 16)
-    return Setup("cuda", work_dir, SHAPES[args.shape], 1024, (1, 64), 10, args.steps, (1, 8, 64), 64, args.repeats,
-                 1024, 256, decode_gpu=args.gpus - 2)  # fmt: skip
+        setup = Setup("cpu", work_dir, TINY_LLAMA, 24, (1, 4), 2, 4, (1, 8), 8, 3, 64, 16)
+    else:
+        setup = Setup("cuda", work_dir, SHAPES[args.shape], 1024, (1, 64), 10, args.steps, (1, 8, 64), 64, args.repeats,
+                      1024, 256, decode_gpu=args.gpus - 2)  # fmt: skip
+    return replace(setup, profile=args.profile, decode_runs=tuple(args.decode_runs))
 
 
 def rank_device(setup: Setup, rank: int) -> torch.device:
@@ -209,11 +215,41 @@ def decode_steps(engine: Engine, batch: int, setup: Setup, device: torch.device)
     sync(device)
     mean_ms = (time.perf_counter() - begin) / setup.steps * 1e3
     running = len(engine.scheduler.running)
+    kernels = step_kernels(engine, batch, device) if setup.profile and engine.runner.graphs is not None else None
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():  # the in-flight step
         engine.step()
-    return {**summary(times, "ms"), "mean_ms": mean_ms, "sequences_running": running}
+    profiled = {} if kernels is None else {"kernels": kernels}
+    return {**summary(times, "ms"), "mean_ms": mean_ms, "sequences_running": running, **profiled}
+
+
+def step_kernels(engine: Engine, batch: int, device: torch.device, replays: int = 50) -> dict[str, Any]:
+    """The GPU kernels of one replay of the captured decode step: per kernel name, launches and microseconds
+    per step, and the step's wall time beside the sum (the gaps). Every rank replays alike (the sums in the
+    step wait on the peers); only rank 0's numbers are kept."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    graphs.replay(batch)
+    sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graphs.replay(batch)
+        sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graphs.replay(batch)
+    end.record()
+    end.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
+    rows.sort(key=lambda e: -e.device_time_total)
+    table = [{"name": e.key[:120], "per_step": e.count / replays, "us_per_step": e.device_time_total / replays}
+             for e in rows]  # fmt: skip
+    busy = sum(row["us_per_step"] for row in table)
+    return {"step_us": start.elapsed_time(end) * 1e3 / replays, "kernel_us": busy, "kernels": table}
 
 
 def decode_rank(rank: int, setup: Setup, size: int, kind: AllReduceKind, out: str) -> None:
@@ -238,14 +274,15 @@ all-reduce and a separate norm, then with NCCL for every sum."""
 
 def decode_part(setup: Setup, timeout_s: float) -> dict[str, Any]:
     work = Path(setup.work_dir)
-    part = {k: spawn(decode_rank, n, (setup, n, o), work / f"{k}.json", timeout_s) for k, (n, o) in DECODE_RUNS.items()}
+    runs = {k: DECODE_RUNS[k] for k in ("tp1", *setup.decode_runs) if k in DECODE_RUNS}
+    part = {k: spawn(decode_rank, n, (setup, n, o), work / f"{k}.json", timeout_s) for k, (n, o) in runs.items()}
     one = part["tp1"].get("batch", {})
 
     def ratio(name: str) -> dict[str, float]:
         other = part[name].get("batch", {})
         return {b: other[b]["median_ms"] / one[b]["median_ms"] for b in one if b in other}
 
-    return {**part, **{f"ratio_{name}_vs_tp1": ratio(name) for name in DECODE_RUNS if name != "tp1"}}
+    return {**part, **{f"ratio_{name}_vs_tp1": ratio(name) for name in runs if name != "tp1"}}
 
 
 # --- 2. all-reduce of [batch, hidden] on 2 ranks -------------------------------------------------------------
@@ -475,6 +512,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--shape", choices=list(SHAPES), default="llama-8b", help="the model (llama-70b: handoff only)")
     p.add_argument("--steps", type=int, default=100, help="timed decode steps per batch")
     p.add_argument("--repeats", type=int, default=20, help="timed runs of each all-reduce and handoff")
+    p.add_argument(
+        "--decode-runs",
+        nargs="+",
+        choices=list(DECODE_RUNS),
+        default=list(DECODE_RUNS),
+        help="the decode part's runs (tp1, the baseline, always runs)",
+    )
+    p.add_argument("--profile", action="store_true", help="decode part: record each step's kernels (rank 0)")
     p.add_argument("--part-timeout", type=float, default=900.0, help="seconds before a part's processes are killed")
     args = p.parse_args()
     if args.shape == "llama-70b" and set(args.parts) != {"handoff"}:
