@@ -24,6 +24,8 @@ from typing import Literal, NamedTuple
 import torch
 import torch.distributed as dist
 
+from pdserve.kernels.allreduce_norm import PeerRows
+
 log = logging.getLogger(__name__)
 
 
@@ -120,7 +122,7 @@ class FusedAllReduceNorm:
                  device: torch.device) -> None:  # fmt: skip
         import torch.distributed._symmetric_memory as symm_mem
 
-        from pdserve.kernels.allreduce_norm import PROGRAMS, SLOTS, fill_sentinel, triton
+        from pdserve.kernels.allreduce_norm import PROGRAMS, SLOTS, PeerRows, fill_sentinel, triton
 
         if triton is None:
             raise RuntimeError("the fused all-reduce + RMSNorm needs triton")
@@ -133,6 +135,8 @@ class FusedAllReduceNorm:
         self.buffer_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)  # [size]
         self.slot_rows = torch.zeros(SLOTS, dtype=torch.int32, device=device)  # [SLOTS]
         self.epochs = torch.ones(PROGRAMS, dtype=torch.int32, device=device)  # [PROGRAMS]
+        self.peer_rows = PeerRows(self.buffer_ptrs, self.epochs, rows, rank)
+        """Where a one-row producer writes its partial output for the next call (kernels/gemv.py)."""
 
     def fits(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
         """x, residual and weight are what the kernel takes: CUDA, rows contiguous, the buffer's dtype and width,
@@ -142,12 +146,12 @@ class FusedAllReduceNorm:
         return all(same) and hidden == self.hidden and rows <= self.rows and residual.shape == x.shape
 
     def __call__(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pushed: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         from pdserve.kernels.allreduce_norm import all_reduce_rms_norm
 
         return all_reduce_rms_norm(
-            x, residual, weight, eps, self.buffer_ptrs, self.slot_rows, self.epochs, self.rows, self.rank
+            x, residual, weight, eps, self.buffer_ptrs, self.slot_rows, self.epochs, self.rows, self.rank, pushed
         )
 
 
@@ -160,6 +164,9 @@ class TPGroup:
         """Sums the messages it fits (use_symmetric_memory); None: NCCL / gloo for all."""
         self.fused_norm: FusedAllReduceNorm | None = None
         """Sums then normalizes the messages it fits (use_symmetric_memory); None: the sum, then the norm."""
+        self.pushed: torch.Tensor | None = None
+        """The one-row partial output a GEMV last wrote into the peers' buffers (push_target), until the fused sum
+        that follows it consumes it."""
 
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """The sum (or op) of x over the ranks, in place."""
@@ -171,6 +178,20 @@ class TPGroup:
             dist.all_reduce(x, op=op, group=self.group)
         return x
 
+    def push_target(self, rows: int, hidden: int, dtype: torch.dtype) -> PeerRows | None:
+        """Where a row-parallel GEMV may write its partial output of `rows` x `hidden` for the fused sum after it
+        (then note_pushed): one row the fused sum takes; None: it must not."""
+        fused = self.fused_norm
+        if fused is None or rows != 1 or hidden != fused.hidden or dtype != fused.dtype:
+            return None
+        if self.pushed is not None:
+            raise RuntimeError("TP group: a partial output written into the peers' buffers was never summed")
+        return fused.peer_rows
+
+    def note_pushed(self, x: torch.Tensor) -> None:
+        """x went into the peers' buffers (push_target): the next all_reduce_rms_norm, of x, must not send it again."""
+        self.pushed = x
+
     def all_reduce_rms_norm(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]: this rank's partial sums
@@ -180,8 +201,13 @@ class TPGroup:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(sum of x over the ranks + residual), that sum + residual): one fused kernel where it fits,
         else the all-reduce and then kernels/fused_ops.py's rms_norm (x is summed in place then)."""
+        pushed, self.pushed = self.pushed, None
+        if pushed is not None and pushed is not x:
+            raise RuntimeError("TP group: the sum after a pushed partial output must be of that output")
         if self.fused_norm is not None and self.fused_norm.fits(x, residual, weight):
-            return self.fused_norm(x, residual, weight, eps)
+            return self.fused_norm(x, residual, weight, eps, pushed is not None)
+        if pushed is not None:
+            raise RuntimeError("TP group: a partial output went into the peers' buffers but its sum does not fit")
         from pdserve.kernels.fused_ops import rms_norm
 
         return rms_norm(self.all_reduce(x), weight, eps, residual)

@@ -15,7 +15,8 @@ Memory (core/parallel.py FusedAllReduceNorm allocates and maps it; every rank al
 
 A launch always has PROGRAMS programs; program p owns rows p, p + PROGRAMS, ... of every call, so its epoch
 stays in step with its peers' program p whatever the row count. Call e uses slot e % SLOTS. Program p of call e:
-    1. writes its rows of x into region `rank` of slot e % SLOTS of every rank's buffer,
+    1. writes its rows of x into region `rank` of slot e % SLOTS of every rank's buffer (unless the producer of a
+       one-row x already did: kernels/gemv.py writes its output there as it computes it, PeerRows),
     2. waits until the other regions of those rows hold no sentinel, sums the rows over the ranks in rank order
        (float32, so every rank gets the same bits), rounds to x's dtype as an all-reduce would, adds the
        residual and normalizes as kernels/fused_ops.py's RMSNorm does,
@@ -31,6 +32,8 @@ NOTE: triton is optional (the `gpu` extra): without it this module imports and n
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -49,6 +52,16 @@ SPIN_TIMEOUT_NS = 30_000_000_000
 """How long a program waits on a peer before it traps (the TP group's collective timeout is 60 s)."""
 SENTINEL_BITS = {16: -(2**15), 32: -(2**31)}
 """Element width -> the bits of -0.0 as a signed integer of that width (the sign bit alone)."""
+
+
+class PeerRows(NamedTuple):
+    """Where a producer writes a one-row partial output for the fused sum that follows it: rank `rank`'s region of
+    the slot that sum will use (row 0 is program 0's: epochs[0] picks the slot), in every peer's buffer."""
+
+    buffer_ptrs: Tensor  # [world] int64
+    epochs: Tensor  # [PROGRAMS] int32
+    capacity: int
+    rank: int
 
 
 def fill_sentinel(buffer: Tensor) -> None:
@@ -117,6 +130,7 @@ if triton is not None:
         SENTINEL: tl.constexpr,
         BLOCK: tl.constexpr,
         TIMEOUT_NS: tl.constexpr,
+        PUSHED: tl.constexpr,
     ):
         pid = tl.program_id(0)
         dtype = x_ptr.dtype.element_ty
@@ -126,7 +140,7 @@ if triton is not None:
         region = tl.cast(capacity, tl.int64) * hidden
         slot = (epoch % SLOTS) * WORLD * region
         mine = _buffer(buffer_ptrs, RANK, dtype)
-        for row in range(pid, num_rows, PROGRAMS):
+        for row in range(pid, num_rows if not PUSHED else 0, PROGRAMS):  # NOTE: PUSHED: the producer wrote them
             base = tl.cast(row, tl.int64) * hidden
             part = _without_sentinel(tl.load(x_ptr + base + offs, mask=mask), INT, SENTINEL)
             for q in tl.static_range(WORLD):
@@ -171,16 +185,18 @@ def all_reduce_rms_norm(
     epochs: Tensor,  # [PROGRAMS] int32
     capacity: int,
     rank: int,
+    pushed: bool = False,
 ) -> tuple[Tensor, Tensor]:  # (rms_norm(sum + residual), sum + residual), new tensors
     """(rms_norm(sum over ranks of x + residual), sum + residual) in one launch; the caller checks that the
-    message fits the buffer (core/parallel.py FusedAllReduceNorm.fits)."""
+    message fits the buffer (core/parallel.py FusedAllReduceNorm.fits). With pushed, x's one row is already in the
+    peers' buffers (the GEMV that made it wrote it there, kernels/gemv.py with PeerRows)."""
     num_rows, hidden = x.shape
     out, residual_out = torch.empty_like(x), torch.empty_like(x)
     block, bits = triton.next_power_of_2(hidden), x.element_size() * 8
     _all_reduce_rms_norm_kernel[(PROGRAMS,)](
         x, residual, weight, out, residual_out, buffer_ptrs, slot_rows, epochs, num_rows, capacity, hidden, eps,
         RANK=rank, WORLD=buffer_ptrs.numel(), PROGRAMS=PROGRAMS, SLOTS=SLOTS, INT=SENTINEL_INT[bits],
-        SENTINEL=SENTINEL_BITS[bits], BLOCK=block, TIMEOUT_NS=SPIN_TIMEOUT_NS,
+        SENTINEL=SENTINEL_BITS[bits], BLOCK=block, TIMEOUT_NS=SPIN_TIMEOUT_NS, PUSHED=pushed,
         num_warps=min(16, max(1, block // 256)),  # NOTE: fused_ops.py's RMSNorm's: the same reduction, bits
     )  # fmt: skip
     return out, residual_out

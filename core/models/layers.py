@@ -12,6 +12,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from pdserve.core.parallel import Shard, TPGroup, even_split, tp_group
+from pdserve.kernels.fused_ops import silu_and_mul_blocks
+from pdserve.kernels.gemv import gemv, gemv_fits
 
 VOCAB_PAD = 64
 """Each rank's vocabulary rows are padded to a multiple of this (as vLLM does)."""
@@ -40,6 +42,11 @@ class MergedLinear(nn.Linear):
         self.interleave = 0
         """Two parts stored in blocks of this many rows, [a_0, b_0, a_1, b_1, ...] (kernels/swiglu_gemm.py's
         layout; LlamaMLP.interleave_weights); 0: stacked in order."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
+        if gemv_fits(x, self.weight):  # NOTE: one row (a decode step at batch 1)
+            return gemv(x, self.weight, bias=self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def rows(self, x: torch.Tensor, start: int, stop: int | None = None) -> torch.Tensor:
         """The projection onto output rows [start, stop) of the stacked weight alone (one part's GEMM)."""
@@ -93,7 +100,19 @@ class RowParallelLinear(nn.Linear):
         self.partial = tp.size > 1 and not reduce
         """forward returns this rank's partial sum (the caller sums it over the ranks)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, swiglu: int = 0) -> torch.Tensor:
+        """The projection of x, or with swiglu, of silu(gate) * up of x, an interleaved gate/up output in blocks of
+        `swiglu` columns (kernels/swiglu_gemm.py's layout). One row goes through kernels/gemv.py, which applies the
+        SwiGLU itself and, where this output is a partial sum the fused sum after it takes, writes it into the
+        peers' buffers as it computes it (TPGroup.push_target)."""
+        if self.bias is None and gemv_fits(x, self.weight, swiglu):
+            push = self.tp.push_target(1, self.out_features, x.dtype) if self.partial else None
+            local = gemv(x, self.weight, swiglu, push=push)
+            if push is not None:
+                self.tp.note_pushed(local)
+            return local if self.tp.size == 1 or self.partial else self.tp.all_reduce(local)
+        if swiglu:
+            x = silu_and_mul_blocks(x, swiglu)
         if self.tp.size == 1 or self.partial:
             return F.linear(x, self.weight, self.bias)
         out = self.tp.all_reduce(F.linear(x, self.weight))

@@ -20,7 +20,7 @@ from pdserve.core.models.loading import copy_weights
 from pdserve.core.models.rope import RotaryEmbedding
 from pdserve.core.parallel import Shard, even_split, kv_head_range, tp_group
 from pdserve.kernels.attention import AttentionBackend, AttentionMetadata, OutputRows, Rope
-from pdserve.kernels.fused_ops import rms_norm, silu_and_mul, silu_and_mul_blocks
+from pdserve.kernels.fused_ops import rms_norm, silu_and_mul
 from pdserve.kernels.swiglu_gemm import (
     FUSED_MIN_TOKENS,
     SWIGLU_BLOCK,
@@ -157,7 +157,7 @@ class LlamaMLP(nn.Module):
         if self.gate_up_proj.interleave:
             if x.shape[0] >= FUSED_MIN_TOKENS and x.is_contiguous():
                 return self.down_proj(swiglu_gemm(x, self.gate_up_proj.weight))
-            return self.down_proj(silu_and_mul_blocks(self.gate_up_proj(x), self.gate_up_proj.interleave))
+            return self.down_proj(self.gate_up_proj(x), swiglu=self.gate_up_proj.interleave)
         gate, up = self.gate_up_proj(x).split(self.gate_up_proj.splits, dim=-1)  # [num_tokens, inter] each
         return self.down_proj(silu_and_mul(gate, up) if self.fused_silu else self.act(gate) * up)
 

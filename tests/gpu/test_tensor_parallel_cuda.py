@@ -170,6 +170,7 @@ def _fused_rank(rank: int, out: str) -> None:
             total = (inputs[c][0].float() + inputs[c][1].float()).to(dtype)
             want_out, want_res = rms_norm_triton(total, weight, eps, residuals[c])
             mismatches += int(not torch.equal(got_out, want_out)) + int(not torch.equal(got_res, want_res))
+    mismatches += _pushed_mismatches(group, rank, weight, eps)
     larger = _partials(FUSED_ROWS + 1, 9, dtype, device)
     res = _partials(FUSED_ROWS + 1, 109, dtype, device)[0]
     fallback_out, _ = group.all_reduce_rms_norm(larger[rank].clone(), res, weight, eps)  # NOTE: past the buffer
@@ -179,6 +180,48 @@ def _fused_rank(rank: int, out: str) -> None:
         fallback_equal = torch.equal(fallback_out, want_fallback)
         torch.save({"on": on, "mismatches": mismatches, "fallback_equal": fallback_equal}, out)
     parallel.close_tp_group()
+
+
+def _pushed_mismatches(group: parallel.TPGroup, rank: int, weight: torch.Tensor, eps: float) -> int:
+    """One-row partials made by kernels/gemv.py, which writes them into the peers' buffers itself (push_target),
+    summed by the fused kernel, between unpushed calls of 64 rows: eagerly and in 3 graph replays, against the sum
+    in rank order and the norm kernel (every rank computes both ranks' partials: the GEMV's bits are the same)."""
+    from pdserve.kernels.fused_ops import rms_norm_triton
+    from pdserve.kernels.gemv import gemv
+
+    device, dtype, k = weight.device, weight.dtype, 1024
+    gen = torch.Generator(device="cpu").manual_seed(77)
+    ws = [(torch.randn(FUSED_HIDDEN, k, generator=gen) * k**-0.5).to(device=device, dtype=dtype) for _ in range(2)]
+    x = torch.randn(1, k, generator=gen).to(device=device, dtype=dtype)
+    res = torch.randn(1, FUSED_HIDDEN, generator=gen).to(device=device, dtype=dtype)
+    big, big_res = _partials(FUSED_ROWS, 50, dtype, device), _partials(FUSED_ROWS, 51, dtype, device)[0]
+
+    def pushed() -> tuple[torch.Tensor, torch.Tensor]:
+        target = group.push_target(1, FUSED_HIDDEN, dtype)
+        assert target is not None
+        local = gemv(x, ws[rank], push=target)
+        group.note_pushed(local)
+        return group.all_reduce_rms_norm(local, res, weight, eps)
+
+    def run() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [pushed(), group.all_reduce_rms_norm(big[rank], big_res, weight, eps), pushed(), pushed()]
+
+    eager = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    replays = []
+    for _ in range(3):
+        graph.replay()
+        replays.append([(o.clone(), r.clone()) for o, r in captured])
+    torch.cuda.synchronize(device)
+    one = rms_norm_triton((gemv(x, ws[0]).float() + gemv(x, ws[1]).float()).to(dtype), weight, eps, res)
+    many = rms_norm_triton((big[0].float() + big[1].float()).to(dtype), weight, eps, big_res)
+    mismatches = 0
+    for results in (eager, *replays):
+        for (got_out, got_res), (want_out, want_res) in zip(results, [one, many, one, one], strict=True):
+            mismatches += int(not torch.equal(got_out, want_out)) + int(not torch.equal(got_res, want_res))
+    return mismatches
 
 
 def test_fused_all_reduce_rms_norm_equals_the_sum_then_the_norm_eagerly_and_in_a_graph(tmp_path: Path) -> None:

@@ -150,3 +150,42 @@ def test_smollm2_at_tp_3_matches_transformers(smollm2_dir: Path, tmp_path: Path)
     """SmolLM2 has 9 query and 3 KV heads: TP 3 gives each rank one KV head."""
     prompts = random_prompts(49152, [5, 30], seed=72)
     assert tp_greedy(smollm2_dir, prompts, 3, tmp_path) == hf_greedy(smollm2_dir, prompts, NEW_TOKENS)
+
+
+class _StubFusedNorm:
+    """Stands in for FusedAllReduceNorm (CUDA only): takes every message, records how it was called."""
+
+    hidden, dtype, rows = 8, torch.bfloat16, 4
+
+    def __init__(self) -> None:
+        self.peer_rows = object()
+        self.calls: list[bool] = []
+
+    def fits(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+        return x.shape[-1] == self.hidden
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 pushed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        self.calls.append(pushed)
+        return x, residual
+
+
+def test_a_pushed_one_row_partial_is_summed_without_a_second_send_and_the_protocol_is_checked() -> None:
+    group = parallel.TPGroup(0, 2)
+    stub = _StubFusedNorm()
+    group.fused_norm = stub  # type: ignore[assignment]
+    x, other = torch.zeros(1, 8, dtype=torch.bfloat16), torch.zeros(1, 8, dtype=torch.bfloat16)
+    weight = torch.ones(8, dtype=torch.bfloat16)
+    assert group.push_target(2, 8, torch.bfloat16) is None  # NOTE: one row only
+    assert group.push_target(1, 16, torch.bfloat16) is None  # another width
+    assert group.push_target(1, 8, torch.float32) is None  # another dtype
+    assert group.push_target(1, 8, torch.bfloat16) is stub.peer_rows
+    group.note_pushed(x)
+    with pytest.raises(RuntimeError, match="never summed"):
+        group.push_target(1, 8, torch.bfloat16)
+    group.all_reduce_rms_norm(x, x, weight, 1e-6)
+    group.all_reduce_rms_norm(other, other, weight, 1e-6)
+    assert stub.calls == [True, False]
+    group.note_pushed(x)
+    with pytest.raises(RuntimeError, match="must be of that output"):
+        group.all_reduce_rms_norm(other, other, weight, 1e-6)
