@@ -5,12 +5,15 @@ profiles a worker of N GPUs (one process per rank, rank r on GPU r) and adds it 
 TP-1 profile already at --out (same shape, same GPU), so profile TP 1 first. --chunks adds to it the time of a
 pass computing a chunk of a prompt whose earlier tokens are cached, per chunk size and prefix (a chunk's
 attention reads its prefix: Profile.prefix_cost); --mps 30,50,70 each role's step time at those SM shares under
-MPS over its time with the whole GPU (Profile.slowdown; a prefill at the step budget, a decode step of 64 x 2048).
+MPS over its time with the whole GPU (Profile.slowdown; a prefill at the step budget, a decode step of 64 x 2048);
+--handoff the decode GPU's copy of a prompt's KV from the prefill GPU's pool per prompt length (GPU 1 -> GPU 0
+where two are visible, the copy that holds up a decode step: router/plan/simulate.py DecodeWorker).
 
     python scripts/profile_layout.py --shape llama-8b --gpus 2 --out bench/out/profile-llama-8b.json
     python scripts/profile_layout.py --shape llama-8b --tp 2 --out bench/out/profile-llama-8b.json
     python scripts/profile_layout.py --shape llama-8b --chunks --out bench/out/profile-llama-8b.json
     python scripts/profile_layout.py --shape llama-8b --mps 30,50,70 --out bench/out/profile-llama-8b.json
+    python scripts/profile_layout.py --shape llama-8b --handoff --out bench/out/profile-llama-8b.json
     python scripts/profile_layout.py --smoke [--tp 2] --out /tmp/profile.json  # tiny shape on CPU (gloo): no timings
     pdserve-plan --profile bench/out/profile-llama-8b.json --workload long-input --slo ttft:1000,tpot:15
 
@@ -45,7 +48,7 @@ from bench_moe import TINY, stats, sync, write_model
 from bench_tp import MULTICAST_OFF
 
 from pdserve.core import parallel
-from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, kv_pool_shape
 from pdserve.core.engine import Engine
 from pdserve.core.parallel import ParallelConfig
 from pdserve.core.sampling_params import SamplingParams
@@ -282,6 +285,59 @@ def measure_chunks(folder: Path, device: str, grid: Grid, num_blocks: int | None
     return {"points": points}
 
 
+def copy_ms(copy: Any, device: torch.device, repeats: int, calls: int = 10) -> float:
+    """Median ms of one copy() (GPU time of back-to-back calls on CUDA, host time on CPU)."""
+    times = []
+    for r in range(-1, repeats):  # NOTE: round -1 warms up
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                copy()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / calls
+        else:
+            begin = time.perf_counter()
+            for _ in range(calls):
+                copy()
+            ms = (time.perf_counter() - begin) * 1e3 / calls
+        if r >= 0:
+            times.append(ms)
+    return statistics.median(times)
+
+
+def measure_handoff(folder: Path, device: str, grid: Grid, fixed_ms: float) -> dict[str, Any]:
+    """The "handoff" section: per prompt length, the copy of its KV blocks into the decode pool as a pull makes it
+    (kernels/block_copy.py on the decode GPU reading the prefill pool over peer access; torch's reference on CPU);
+    ms_per_token is the least-squares slope through them. fixed_ms (the handoff's messages) is kept as it was."""
+    from pdserve.kernels.block_copy import copy_blocks, copy_blocks_ref
+    from pdserve.kvtransfer.cuda_ipc import enable_peer_access
+
+    cfg = ModelConfig.from_pretrained(str(folder), dtype="float32" if device == "cpu" else "bfloat16")
+    cuda = device == "cuda"
+    dst = torch.device("cuda:0" if cuda else "cpu")
+    src = torch.device("cuda:1") if cuda and torch.cuda.device_count() > 1 else dst
+    if src != dst and not enable_peer_access(dst, src):
+        raise RuntimeError(f"{dst} cannot read {src}: no peer access")
+    block = 16
+    blocks = -(-max(grid.prompt_lens) // block) + 1  # NOTE: block 0 stays the null block
+    shape = kv_pool_shape(cfg.num_layers, blocks, block, cfg.num_kv_heads, cfg.head_dim)
+    pools = [torch.zeros(shape, dtype=cfg.torch_dtype, device=d) for d in (src, dst)]
+    copy = copy_blocks if cuda else copy_blocks_ref
+    points = []
+    for tokens in grid.prompt_lens:
+        ids = torch.arange(1, 1 + -(-tokens // block), device=dst)
+        ms = copy_ms(lambda ids=ids: copy(pools[0], pools[1], ids, ids), dst, grid.repeats)
+        points.append({"tokens": tokens, "ms": round(ms, 4)})
+        print(f"handoff copy of {tokens} tokens: {ms:.3f} ms", flush=True)
+    xs, ys = [p["tokens"] for p in points], [p["ms"] for p in points]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum((x - mean_x) ** 2 for x in xs)
+    pair = f"{src} -> {dst}" if src != dst else f"within {dst}"
+    return {"fixed_ms": fixed_ms, "ms_per_token": max(0.0, slope), "copy": pair, "points": points}
+
+
 def role_steps(engine: Engine, grid: Grid) -> dict[str, float]:
     """A full-budget prefill (ms to its first token) and one grid.mps_decode decode step (ms) of this engine."""
     return {"prefill": prefill_ms(engine, grid.budget, grid.repeats)["ms"],
@@ -362,6 +418,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--chunks", action="store_true", help="add the chunk-at-prefix costs to --out's TP-1 profile")
     p.add_argument("--mps", default=None, metavar="SHARES", help="e.g. 30,50,70: add each role's slowdown at these SM "
                    "shares (percent) to --out's TP-1 profile")  # fmt: skip
+    p.add_argument("--handoff", action="store_true", help="add the handoff's KV copy per prompt token to --out's "
+                   "TP-1 profile (GPU 1 -> GPU 0 where two are visible)")  # fmt: skip
     p.add_argument("--mps-child", default=None, help=argparse.SUPPRESS)  # NOTE: one share's run (measure_mps)
     p.add_argument("--max-model-len", type=int, default=None, help="recorded for the planner (default: the shape's)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (default: sized from free memory)")
@@ -370,9 +428,11 @@ def parse_args() -> argparse.Namespace:
 
 
 def added_section(args: argparse.Namespace) -> tuple[str, str] | None:
-    """(section, flag) a call adds to the TP-1 profile at --out (--chunks, --mps); None otherwise."""
+    """(section, flag) a call adds to the TP-1 profile at --out (--chunks, --mps, --handoff); None otherwise."""
     if args.chunks:
         return "chunks", "--chunks"
+    if args.handoff:
+        return "handoff", "--handoff"
     return ("mps_slowdown", "--mps") if args.mps else None
 
 
@@ -413,6 +473,9 @@ def main() -> int:
         costs = measure_chunks(folder, device, grid, num_blocks)
     elif args.mps:
         costs = measure_mps(shares, args, scratch)
+    elif args.handoff:
+        assert base is not None
+        costs = measure_handoff(folder, device, grid, float(base.get("handoff", {}).get("fixed_ms", 1.0)))
     elif args.tp > 1:
         costs = measure_tp(args.tp, folder, device, grid, num_blocks)
     else:

@@ -59,9 +59,10 @@ class Profile:
     kv_capacity_tokens: int | None = None
     """KV tokens one worker holds on its GPU; None: unlimited."""
     handoff_fixed_ms: float = 1.0
-    """Prefill -> decode handoff of a request: fixed part."""
+    """Prefill -> decode handoff of a request: fixed part (its messages)."""
     handoff_ms_per_token: float = 0.0
-    """Handoff: part per prompt token (KV bytes over the link)."""
+    """Handoff: part per prompt token, the decode GPU's copy of the KV (which holds up the decode worker's next
+    step: simulate.DecodeWorker)."""
     model: Mapping[str, Any] = field(default_factory=dict)
     """What was profiled (shape name, dtype, max_model_len, ...), for the report."""
     mps_slowdown: Mapping[str, Mapping[int, float]] = field(default_factory=dict)

@@ -6,10 +6,12 @@ handoff's are the top level's, whatever the TP sizes on either side.
 - Prefill worker: FCFS; each step takes up to `budget` prompt tokens from the queue's head (a long prompt spans
   steps) and lasts prefill_time(tokens) plus each piece's prefix cost (profile.py prefix_cost: its attention over
   the prompt's earlier tokens), times its MPS slowdown (profile.slowdown). A prompt's last step gives its first
-  token; the decode side gets it after the handoff time.
+  token; the decode side gets it after the handoff's fixed part (its messages).
 - Decode worker: continuous batching. A step runs every running sequence and lasts decode_time(batch, mean
   context) x slowdown; a waiting request joins at a step boundary while the batch is under max_num_seqs and its KV
-  (prompt + output tokens) fits the worker's capacity.
+  (prompt + output tokens) fits the worker's capacity. A handed-off request's pull (the handoff's per-token part,
+  the copy of its KV) holds up the worker's next step: pdserve's decode stream waits on the copy
+  (kvtransfer/cuda_ipc.py), so every running sequence's gap grows by it.
 - Colocated worker: each step runs the decodes plus up to `chunk - decodes` prompt tokens (chunked prefill,
   decodes first as pdserve's scheduler does); a mixed step lasts the decode step plus the chunk's marginal
   prefill cost, decode_time(B, ctx) + prefill_time(c + B) - prefill_time(B) (one forward pass reads the weights
@@ -92,6 +94,10 @@ class StepCost:
         if key not in self._prefix:
             self._prefix[key] = self.profile.prefix_cost(tokens, key[1] * CONTEXT_BUCKET) / 1e3
         return self._prefix[key]
+
+    def pull(self, prompt_len: int) -> float:
+        """The decode GPU's copy of a handed-off prompt's KV (s): the handoff's per-token part."""
+        return self.profile.handoff_ms_per_token * prompt_len / 1e3
 
     def decode(self, batch: int, context: float) -> float:
         key = (batch, int(context) // CONTEXT_BUCKET)
@@ -179,6 +185,8 @@ class DecodeWorker:
         self.waiting: deque[SimRequest] = deque()
         self.batch = BatchState()
         self.now = 0.0
+        self.pulls = 0.0
+        """Seconds of KV copies issued since the last step began (the next step waits for them)."""
 
     @property
     def load(self) -> float:
@@ -188,6 +196,7 @@ class DecodeWorker:
         if not self.batch.num_running and not self.waiting:
             self.now = max(self.now, t)
         self.waiting.append(req)
+        self.pulls += self.cost.pull(req.prompt_len)
 
     def advance_to(self, t: float) -> None:
         batch = self.batch
@@ -198,7 +207,9 @@ class DecodeWorker:
                     break
                 batch.kv_used += need
                 batch.start(self.waiting.popleft(), batch.step)
-            self.now += self.cost.decode(batch.num_running, batch.context_sum / batch.num_running) * self.slow
+            step = self.cost.decode(batch.num_running, batch.context_sum / batch.num_running) * self.slow
+            self.now += step + self.pulls
+            self.pulls = 0.0
             batch.end_step(self.now)
 
 
@@ -319,7 +330,7 @@ def simulate(layout: Layout, cost: StepCost, requests: list[SimRequest], sim: Si
 
     def first_token(req: SimRequest) -> None:
         if req.output_len > 1:
-            handed.append((req.first_token + profile.handoff_time(req.prompt_len) / 1e3, req))
+            handed.append((req.first_token + profile.handoff_fixed_ms / 1e3, req))  # NOTE: its copy: DecodeWorker
         else:
             req.done = req.first_token
 

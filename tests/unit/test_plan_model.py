@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from pdserve.router.benchmark.lengths import WORKLOADS
@@ -215,3 +216,19 @@ def test_a_lower_rates_requests_are_a_prefix_of_a_higher_ones() -> None:
     assert all(r.prompt_len <= max(8192 - r.output_len, 1) for r in high)
     sparse, window = trace.window(0.5, plan)  # NOTE: 2 arrivals in 4 s: the window grows to hold 10
     assert window.stop - window.start == pytest.approx(10, abs=6) and sparse[-1].arrival > 2.0 + 4.0
+
+
+def test_a_handoffs_kv_copy_holds_up_the_decode_workers_next_step() -> None:
+    """A decoding request's gap grows by the copy of a later request's KV (pdserve's decode stream waits on it);
+    without a per-token handoff cost the same gap is one plain step."""
+    doc = json.loads(json.dumps(DECODE_BOUND))
+    doc["handoff"] = {"fixed_ms": 2.0, "ms_per_token": 0.005}  # 1000 tokens: 5 ms of copying
+    gaps = {}
+    for name, profile in (("copy", doc), ("free", DECODE_BOUND)):
+        early, late = SimRequest(0.0, 1000, 40), SimRequest(0.1, 1000, 5)
+        simulate(disaggregated(1, 1, 2, (50, 50)), StepCost(Profile.from_json(profile)), [early, late], SimConfig())
+        assert early.step_ends is not None
+        gaps[name] = max(np.diff(early.step_ends[early.first_step : early.first_step + early.output_len - 1]))
+        assert late.ttft == pytest.approx(0.015)
+    assert gaps["free"] == pytest.approx((10 + 0.5 * 2) / 1e3)  # NOTE: the longest gap is a step at batch 2
+    assert gaps["copy"] == pytest.approx(gaps["free"] + 0.005)

@@ -109,3 +109,21 @@ def test_smoke_mps_adds_each_roles_slowdown_per_share(tmp_path: Path) -> None:
     slowdown = Profile.read(out).mps_slowdown
     assert set(slowdown) == {"prefill", "decode"} and all(set(by) == {30, 50} for by in slowdown.values())
     assert all(factor > 0 for by in slowdown.values() for factor in by.values())
+
+
+def test_smoke_handoff_adds_the_kv_copy_per_prompt_token(tmp_path: Path) -> None:
+    """On CPU the copy is torch's reference within one device: this checks the flow, the section and that the
+    planner reads the slope, not a GPU's figure."""
+    out = tmp_path / "profile.json"
+    refused = run_smoke(tmp_path, out, "--handoff")
+    assert refused.returncode == 2 and "--handoff adds to the TP-1 profile" in refused.stderr and not out.exists()
+    one = stand_in_profile(out)
+    proc = run_smoke(tmp_path, out, "--handoff")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert {k: v for k, v in doc.items() if k != "handoff"} == {k: v for k, v in one.items() if k != "handoff"}
+    handoff = doc["handoff"]
+    assert "--handoff" in handoff["command"] and handoff["copy"] == "within cpu"
+    assert handoff["fixed_ms"] == one["handoff"]["fixed_ms"]  # NOTE: the messages' part is not measured here
+    assert [p["tokens"] for p in handoff["points"]] == [16, 64, 128] and all(p["ms"] > 0 for p in handoff["points"])
+    assert Profile.read(out).handoff_ms_per_token == handoff["ms_per_token"] >= 0
