@@ -3,6 +3,7 @@ all-gather captured inside them) and eagerly: fp32 greedy tokens equal TP 1 on o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,23 @@ def _partials(rows: int, call: int, dtype: torch.dtype, device: torch.device) ->
     return [torch.randn(rows, FUSED_HIDDEN, generator=gen).to(dtype=dtype, device=device) for _ in range(2)]
 
 
+Outputs = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _eager_then_replayed(run: Callable[[], Outputs], replays: int = 3) -> list[Outputs]:
+    """run()'s (out, residual) pairs eagerly, then from a CUDA graph capturing it, replayed `replays` times (cloned
+    after each replay)."""
+    eager = run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    results = [eager]
+    for _ in range(replays):
+        graph.replay()
+        results.append([(o.clone(), r.clone()) for o, r in captured])
+    return results
+
+
 def _fused_rank(rank: int, out: str) -> None:
     """Rank r of 2 on GPU r: all_reduce_rms_norm over the fused kernel (eager, then chained in a CUDA graph with
     different row counts, then eager again) against the sum in rank order and the separate norm kernel."""
@@ -151,21 +169,13 @@ def _fused_rank(rank: int, out: str) -> None:
     inputs[2][1][:, :32] = -0.0
     residuals = {c: _partials(rows, 100 + c, dtype, device)[0] for rows, c in calls}  # alike on every rank
 
-    def run() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def run() -> Outputs:
         return [group.all_reduce_rms_norm(inputs[c][rank], residuals[c], weight, eps) for _, c in calls]
 
-    eager = run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    replays = []
-    for _ in range(3):
-        graph.replay()
-        replays.append([(o.clone(), r.clone()) for o, r in captured])
-    after = run()
+    runs = [*_eager_then_replayed(run), run()]
     torch.cuda.synchronize(device)
     mismatches = 0
-    for results in (eager, *replays, after):
+    for results in runs:
         for (_, c), (got_out, got_res) in zip(calls, results, strict=True):
             total = (inputs[c][0].float() + inputs[c][1].float()).to(dtype)
             want_out, want_res = rms_norm_triton(total, weight, eps, residuals[c])
@@ -203,22 +213,15 @@ def _pushed_mismatches(group: parallel.TPGroup, rank: int, weight: torch.Tensor,
         group.note_pushed(local)
         return group.all_reduce_rms_norm(local, res, weight, eps)
 
-    def run() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def run() -> Outputs:
         return [pushed(), group.all_reduce_rms_norm(big[rank], big_res, weight, eps), pushed(), pushed()]
 
-    eager = run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run()
-    replays = []
-    for _ in range(3):
-        graph.replay()
-        replays.append([(o.clone(), r.clone()) for o, r in captured])
+    runs = _eager_then_replayed(run)
     torch.cuda.synchronize(device)
     one = rms_norm_triton((gemv(x, ws[0]).float() + gemv(x, ws[1]).float()).to(dtype), weight, eps, res)
     many = rms_norm_triton((big[0].float() + big[1].float()).to(dtype), weight, eps, big_res)
     mismatches = 0
-    for results in (eager, *replays):
+    for results in runs:
         for (got_out, got_res), (want_out, want_res) in zip(results, [one, many, one, one], strict=True):
             mismatches += int(not torch.equal(got_out, want_out)) + int(not torch.equal(got_res, want_res))
     return mismatches
