@@ -90,10 +90,16 @@ def _gemv_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if PDL:  # NOTE: launched early beside the kernel before it (programmatic dependent launch): wait for its writes
+    first = 0
+    if PDL:  # NOTE: launched early beside the kernel before it (programmatic dependent launch): W does not depend on
+        # that kernel, so the first tile is read before waiting for its writes (x); dependents may launch after
+        cols = tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + cols[None, :])
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    for k in range(0, K, BLOCK_K):
+        acc += w.to(tl.float32) * _x_chunk(x_ptr, cols, HALF)[None, :]
+        first = BLOCK_K
+    for k in range(first, K, BLOCK_K):
         cols = k + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + cols[None, :])  # [BLOCK_N, BLOCK_K]
         acc += w.to(tl.float32) * _x_chunk(x_ptr, cols, HALF)[None, :]
