@@ -120,14 +120,14 @@ def _gemv_kernel(
 
 def gemv_fits(x: Tensor, weight: Tensor, half: int = 0) -> bool:
     """Whether gemv takes x @ weight^T (with half: of x's SwiGLU): one row on CUDA, whole tiles (tiling), rows
-    contiguous."""
+    contiguous. NOTE: every projection of every eager pass asks, so the cheap, selective checks come first."""
+    if x.dim() != 2 or x.shape[0] != 1 or triton is None or not x.is_cuda:
+        return False
     n, k = weight.shape
     config = tiling(k)
     return (
-        triton is not None
-        and config is not None
-        and x.is_cuda
-        and x.shape == (1, 2 * k if half else k)
+        config is not None
+        and x.shape[1] == (2 * k if half else k)
         and x.dtype == weight.dtype
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
         and weight.stride(1) == 1
