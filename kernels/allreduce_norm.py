@@ -108,6 +108,30 @@ if triton is not None:
             part = tl.load(ptr, mask=mask, other=0.0, volatile=True)
         return part
 
+    @triton.jit
+    def _add_and_normalize(total, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, offs, mask, hidden, eps):
+        """One row: the fp32 sum rounded to the dtype as an all-reduce rounds it, + the residual (stored), then
+        kernels/fused_ops.py's RMSNorm of that (stored)."""
+        dtype = out_ptr.dtype.element_ty
+        r = tl.load(residual_ptr + offs, mask=mask, other=0.0)
+        s = (total.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # the all-reduce's bits, then +
+        tl.store(residual_out_ptr + offs, s, mask=mask)
+        s32 = s.to(tl.float32)
+        normed = (s32 * tl.math.rsqrt(tl.sum(s32 * s32, axis=0) / hidden + eps)).to(dtype)
+        w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, (normed.to(tl.float32) * w.to(tl.float32)).to(dtype), mask=mask)
+
+    @triton.jit
+    def _clear_rows(slot_ptr, num_rows, region, offs, mask, hidden, pid, RANK: tl.constexpr, WORLD: tl.constexpr,
+                    PROGRAMS: tl.constexpr, INT: tl.constexpr, SENTINEL: tl.constexpr):  # fmt: skip
+        """This program's rows of a slot (its first num_rows rows) back to the sentinel, in every peer's region."""
+        sentinel = tl.full(offs.shape, SENTINEL, INT).to(slot_ptr.dtype.element_ty, bitcast=True)
+        for row in range(pid, num_rows, PROGRAMS):
+            base = tl.cast(row, tl.int64) * hidden
+            for q in tl.static_range(WORLD):
+                if q != RANK:
+                    tl.store(slot_ptr + base + q * region + offs, sentinel, mask=mask)
+
     @triton.jit(do_not_specialize=["num_rows"])
     def _all_reduce_rms_norm_kernel(
         x_ptr,  # [num_rows, hidden]: this rank's partial sums, rows contiguous
@@ -156,20 +180,12 @@ if triton is not None:
                 else:
                     part = _wait_written(mine + slot + q * region + base + offs, mask, INT, SENTINEL, TIMEOUT_NS)
                 total += part.to(tl.float32)
-            r = tl.load(residual_ptr + base + offs, mask=mask, other=0.0)
-            s = (total.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # the all-reduce's bits, then +
-            tl.store(residual_out_ptr + base + offs, s, mask=mask)
-            s32 = s.to(tl.float32)
-            normed = (s32 * tl.math.rsqrt(tl.sum(s32 * s32, axis=0) / hidden + eps)).to(dtype)
-            w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-            tl.store(out_ptr + base + offs, (normed.to(tl.float32) * w.to(tl.float32)).to(dtype), mask=mask)
+            _add_and_normalize(total, residual_ptr + base, weight_ptr, out_ptr + base, residual_out_ptr + base,
+                               offs, mask, hidden, eps)  # fmt: skip
         previous = (epoch + SLOTS - 1) % SLOTS
-        sentinel = tl.full([BLOCK], SENTINEL, INT).to(dtype, bitcast=True)
-        for row in range(pid, tl.load(slot_rows_ptr + previous), PROGRAMS):
-            base = previous * WORLD * region + tl.cast(row, tl.int64) * hidden
-            for q in tl.static_range(WORLD):
-                if q != RANK:
-                    tl.store(mine + base + q * region + offs, sentinel, mask=mask)
+        rows = tl.load(slot_rows_ptr + previous)
+        _clear_rows(mine + previous * WORLD * region, rows, region, offs, mask, hidden, pid, RANK, WORLD, PROGRAMS,
+                    INT, SENTINEL)  # fmt: skip
         if pid == 0:
             tl.store(slot_rows_ptr + epoch % SLOTS, num_rows)
         tl.store(epochs_ptr + pid, epoch + 1)

@@ -138,9 +138,15 @@ def main() -> int:
         "command": shlex.join([sys.executable, *sys.argv]),
         "shapes": {},
     }
+
+    def save() -> None:  # NOTE: after every shape, so a run cut short keeps what it measured
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
     for name, pair in CHAINS.items() if args.chain else []:
         result["shapes"][name] = row = {"pair": pair, **chain(*pair)}
         print(f"{name:12s} a pair in a chain: plain {row['plain_us']:7.2f} us, PDL {row['pdl_us']:7.2f} us", flush=True)
+        save()
     for name in [] if args.chain else args.shapes:
         row = one_shape(*SHAPES[name], configs)
         result["shapes"][name] = row
@@ -150,10 +156,7 @@ def main() -> int:
               f"best {best['us']:7.2f} us "
               f"({row['best_TBps']:.2f} TB/s) {tuple(best['config'].values())} err {best['max_err']:.2e} "
               f"(cuBLAS {row['cublas_max_err']:.2e}, scale {row['ref_scale']:.2f})", flush=True)  # fmt: skip
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        save()
     return 0
 
 
