@@ -71,10 +71,10 @@ def _id_list(ids: TokenIds) -> list[int]:
 
 
 def _adopted_request(request_id: str, ids: TokenIds, num_prompt_tokens: int, sampling: SamplingState) -> Request:
-    """A handed-off request, running: its list of ids, and all but its last id (the token its first pass reads)
-    as its array."""
+    """A handed-off request, adopted (not yet running): its list of ids, and all but its last id (the token its
+    first pass reads) as its array."""
     return Request(
-        request_id, _id_list(ids), num_prompt_tokens, sampling, status=RequestStatus.RUNNING,
+        request_id, _id_list(ids), num_prompt_tokens, sampling, status=RequestStatus.ADOPTED,
         token_array=_int64_array(ids[:-1]),
     )  # fmt: skip
 
@@ -138,6 +138,8 @@ class Engine:
         self.sampler = Sampler(self.runner.device)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
+        self.num_adopted = 0
+        """Requests adopted and not started yet (their KV is being copied in)."""
         self._in_flight: InFlightStep | None = None
         pin = self.runner.device.type == "cuda"
         # NOTE: two host buffers: a launch must not overwrite the tokens of the step still to be read
@@ -229,8 +231,10 @@ class Engine:
         """Add a request whose KV for all but the last token was computed elsewhere (a handoff).
 
         Full blocks of that KV already in the local prefix cache are shared; blocks are allocated for the
-        rest and returned (see Adoption): the caller must fill them before the next step, then call
-        cache_adopted. None when there is no room (nothing changed). The request then decodes like any other.
+        rest and returned (see Adoption). None when there is no room (nothing changed; adopted requests count
+        toward max_num_seqs). The request holds its blocks without being scheduled until start_adopted: the
+        caller copies the KV into them and calls it once the copy has finished; abort it instead after a failed
+        copy, or to stop it, but only once no copy writes its blocks any more (they are freed at once).
         block_hashes: those full blocks' hashes as the sender computed them (computed_block_hashes), or () to
         hash them here; InvalidRequestError for a count that does not match.
         """
@@ -239,7 +243,7 @@ class Engine:
         num_full = (len(token_ids) - 1) // self.config.cache.block_size
         if block_hashes and len(block_hashes) != num_full:
             raise InvalidRequestError(f"{len(block_hashes)} block hashes for {num_full} full blocks")
-        if len(self.scheduler.running) >= self.config.scheduler.max_num_seqs:
+        if len(self.scheduler.running) + self.num_adopted >= self.config.scheduler.max_num_seqs:
             return None
         req = _adopted_request(request_id, token_ids, num_prompt_tokens, sampling)
         if self.kv.enable_caching:
@@ -248,7 +252,7 @@ class Engine:
         if num_shared is None:
             return None
         self.requests[request_id] = req
-        self.scheduler.running.append(req)
+        self.num_adopted += 1
         return Adoption(req.block_ids[num_shared:], num_shared)
 
     def computed_block_hashes(self, req: Request) -> list[int]:
@@ -258,13 +262,16 @@ class Engine:
             return []
         return self.kv.full_block_hashes(req, req.num_computed_tokens // self.config.cache.block_size)
 
-    def cache_adopted(self, request_id: str) -> None:
-        """Offer an adopted request's copied full blocks to the prefix cache, so later handoffs and prompts
-        share them. Call once the copy into them is ordered before later forward passes (a pull that
-        returned); never after a failed copy (abort the request instead). No-op for an unknown request."""
-        req = self.requests.get(request_id)
-        if req is not None:
-            self.kv.cache_full_blocks(req)
+    def start_adopted(self, request_id: str) -> None:
+        """Schedule an adopted request whose KV copy has finished (it decodes from the next step on), and offer
+        its copied full blocks to the prefix cache, so later handoffs and prompts share them."""
+        req = self.requests[request_id]
+        if req.status is not RequestStatus.ADOPTED:
+            raise ValueError(f"request {request_id!r} is {req.status.value}, not adopted")
+        req.status = RequestStatus.RUNNING
+        self.num_adopted -= 1
+        self.scheduler.running.append(req)
+        self.kv.cache_full_blocks(req)
 
     def has_unfinished(self) -> bool:
         """Requests are queued or running, or a step's tokens are still to be read (call step())."""
@@ -275,6 +282,7 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self.num_adopted -= req.status is RequestStatus.ADOPTED
         self.scheduler.finish(req, "abort")
         self.kv.flush()
         return self._output(req, [])

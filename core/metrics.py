@@ -48,7 +48,8 @@ class WorkerCollector(Collector):
         labels = [hb.role, str(hb.worker_id)]
         used = hb.num_total_blocks - hb.num_free_blocks
         cached = hb.counters.get("cached_blocks", 0)
-        yield _gauge("pdserve_requests_running", "Requests in the running batch.", labels, hb.num_running)
+        yield _gauge("pdserve_requests_running", "Requests in the running batch (handoffs being copied in too).",
+                     labels, hb.num_running)
         yield _gauge("pdserve_requests_waiting", "Requests queued (handoffs waiting for room too).", labels,
                      hb.num_waiting + hb.counters.get("handoffs_waiting", 0))  # fmt: skip
         kv = GaugeMetricFamily("pdserve_kv_blocks", "KV blocks by state.", labels=["role", "worker", "state"])
@@ -99,7 +100,7 @@ class WorkerMetrics:
         self.registry.register(WorkerCollector(heartbeat, restarts))
         handoff = Histogram(
             "pdserve_handoff_latency_seconds",
-            "From the first token at the prefill worker to the request decoding here (copy enqueued).",
+            "From the first token at the prefill worker to the request decoding here (its KV copied).",
             ["role", "worker"],
             buckets=HANDOFF_BUCKETS_S,
             registry=self.registry,

@@ -16,6 +16,8 @@ NO_TOKENS.flags.writeable = False
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    ADOPTED = "adopted"
+    """Handed off here, its KV still being copied in: holds its blocks, neither scheduled nor preemptible."""
     FINISHED = "finished"
 
 

@@ -184,7 +184,7 @@ class WorkerBase:
             incarnation=self.incarnation,
             num_free_blocks=pool.num_free_blocks,
             num_total_blocks=pool.num_blocks - 1,
-            num_running=len(sched.running),
+            num_running=len(sched.running) + self.engine.num_adopted,
             num_waiting=len(sched.waiting),
             counters=self.counters(),
             layout=self.layout_fingerprint(),

@@ -1,10 +1,12 @@
 """Decode worker: adopts handed-off requests, pulls their KV blocks, releases them, decodes and streams.
 
 A handed-off request's full blocks that this worker already holds (same chained hashes, e.g. a shared
-system prompt) are shared from its prefix cache instead of copied; only the rest are pulled, and the copied
-full blocks join the prefix cache once their pull is enqueued.
-NOTE: a pull only enqueues the copy (kvtransfer.base): the request decodes at once, its lease is released
-once the copy is done (polled every loop iteration), or at once when the pull failed or copied nothing.
+system prompt) are shared from its prefix cache instead of copied; only the rest are pulled.
+NOTE: a pull only enqueues the copy (kvtransfer.base), which runs beside the decode steps and holds none of
+them up: the request waits, adopted (its blocks allocated, not scheduled), until the copy is done (polled
+every loop iteration; on every rank of a TP group), then decodes, its copied full blocks join the prefix
+cache and its lease is released; an abort meanwhile frees its blocks only then. A pull that failed or copied
+nothing releases the lease at once.
 A handoff from a prefill worker whose pool is not open yet waits, leased and holding none of our blocks, for
 the handshake with that pool, which runs in the background (core.handshake) while everything else decodes.
 
@@ -81,8 +83,9 @@ class GroupPullHandle:
             raise RuntimeError(f"TP ranks did not finish pull {self.pull_id} within {GROUP_PULL_WAIT_S} s")
 
 
-class _PendingRelease(NamedTuple):
-    """A handoff whose blocks are being copied: its lease is released once handle is done."""
+class _Copying(NamedTuple):
+    """A handoff whose blocks are being copied: once handle is done its request starts (or, aborted meanwhile,
+    frees its blocks) and its lease is released."""
 
     handle: PullHandle | GroupPullHandle
     cmd: HandoffCmd
@@ -134,7 +137,8 @@ class DecodeWorker(WorkerBase):
         self.waiting: deque[HandoffCmd] = deque()  # handoffs that found no room yet (still leased)
         self.handshakes: HandshakeClient = HandshakeClient(self.ctx, self.poller, HANDSHAKE_TIMEOUT_S)
         self.held: dict[int, list[HandoffCmd]] = {}  # prefill worker -> its handoffs waiting for our handshake
-        self.releasing: list[_PendingRelease] = []  # adopted handoffs whose copies are in flight (still leased)
+        self.copying: dict[str, _Copying] = {}  # request -> its adopted handoff whose copy is in flight (leased)
+        self.abort_after_copy: set[str] = set()  # requests aborted while copying: freed once the copy is done
         self.num_aborted: int = 0  # requests aborted here: running, waiting, or a handoff that lost the race
         self.aborted: OrderedDict[str, None] = OrderedDict()  # recent aborts, for handoffs that race them
         self.num_blocks_pulled: int = 0  # blocks copied from prefill workers
@@ -160,7 +164,7 @@ class DecodeWorker(WorkerBase):
             "aborted": self.num_aborted,
             "blocks_shared": self.num_blocks_shared,
             "handoffs_waiting": len(self.waiting) + sum(map(len, self.held.values())),
-            "releases_pending": len(self.releasing),
+            "releases_pending": len(self.copying),
         }
 
     def handle(self, msg: Message) -> None:
@@ -207,7 +211,11 @@ class DecodeWorker(WorkerBase):
             self.frontend_of[request_id] = frontend
 
     def _abort(self, request_id: str) -> None:
-        known = self.engine.abort(request_id) is not None
+        if request_id in self.copying:  # NOTE: the copy still writes its blocks: the engine frees them after it
+            known = request_id not in self.abort_after_copy
+            self.abort_after_copy.add(request_id)
+        else:
+            known = self.engine.abort(request_id) is not None
         self.timings.pop(request_id, None)
         self.frontend_of.pop(request_id, None)
         for queue in (self.waiting, *self.held.values()):
@@ -229,29 +237,42 @@ class DecodeWorker(WorkerBase):
         self._finish_handshakes()  # NOTE: a handshake reply woke the loop (HandshakeClient's sockets)
 
     def after_step(self) -> None:
-        self._release_copied()
+        self._finish_copies()
         self._finish_handshakes()
         self._admit_waiting()
 
     def has_pending_work(self) -> bool:
-        return bool(self.releasing)
+        return bool(self.copying)
 
-    def _release_copied(self) -> None:
-        """ReleaseCmd for each handoff whose copy is done (NOTE: never earlier: the prefill worker reuses the
-        blocks once released). An aborted request's lease waits for its copy too."""
-        if not self.releasing:
-            return
-        in_flight = []
-        for pending in self.releasing:
-            if pending.handle.done():
-                self._release(pending.cmd)
-            else:
-                in_flight.append(pending)
-        self.releasing = in_flight
+    def _finish_copies(self) -> None:
+        """Start each adopted request whose copy is done (an aborted one: free its blocks) and release its lease
+        (NOTE: never earlier: the prefill worker reuses the blocks once released)."""
+        for request_id, copying in list(self.copying.items()):
+            if copying.handle.done():
+                del self.copying[request_id]
+                self._copied(copying.cmd)
+
+    def _copied(self, cmd: HandoffCmd) -> None:
+        if cmd.request_id in self.abort_after_copy:
+            self.abort_after_copy.discard(cmd.request_id)
+            self.engine.abort(cmd.request_id)
+        else:
+            self._start(cmd)
+        self._release(cmd)
+
+    def _start(self, cmd: HandoffCmd) -> None:
+        """cmd's KV is all here: it decodes from the next step on."""
+        self.engine.start_adopted(cmd.request_id)
+        now = time.time()
+        self.timings[cmd.request_id] = dataclasses.replace(cmd.timings, handoff_end=now)
+        if cmd.timings.prefill_end:
+            self.metrics.handoff_latency.observe(max(0.0, now - cmd.timings.prefill_end))
 
     def _admit_waiting(self) -> None:
         while self.waiting:
             cmd = self.waiting[0]
+            if cmd.request_id in self.abort_after_copy:  # NOTE: the id is free once that copy is done
+                return
             if cmd.request_id in self.aborted:  # NOTE: the one handoff its abort raced; the id is free again
                 del self.aborted[cmd.request_id]
                 self.num_aborted += 1
@@ -272,8 +293,8 @@ class DecodeWorker(WorkerBase):
             self.waiting.popleft()
 
     def _adopt(self, cmd: HandoffCmd) -> bool:
-        """Pull the blocks of cmd we do not hold into our pool and start decoding it; False if there is no
-        room yet."""
+        """Adopt cmd and pull the blocks of it we do not hold into our pool (it starts when they are here); False
+        if there is no room yet."""
         s = cmd.sampling
         state = SamplingState(s.params, self.cfg.model.eos_token_ids, s.num_generated)
         token_ids, hashes = unpack_token_ids(cmd.token_ids), unpack_block_hashes(cmd.block_hashes)
@@ -293,7 +314,6 @@ class DecodeWorker(WorkerBase):
             self.engine.abort(cmd.request_id)  # NOTE: its blocks were never cached, so no hash keeps garbage
             self._fail_transfer(cmd, exc)
             return True
-        self.engine.cache_adopted(cmd.request_id)
         self._own(cmd.request_id, cmd.frontend)
         log.info(
             "request %s adopted from prefill %d: pulled=%d shared=%d blocks", cmd.request_id, cmd.prefill_worker,
@@ -301,14 +321,10 @@ class DecodeWorker(WorkerBase):
         )  # fmt: skip
         self.num_blocks_pulled += len(dst.dst)
         self.num_blocks_shared += dst.num_shared
-        now = time.time()
-        self.timings[cmd.request_id] = dataclasses.replace(cmd.timings, handoff_end=now)
-        if cmd.timings.prefill_end:
-            self.metrics.handoff_latency.observe(max(0.0, now - cmd.timings.prefill_end))
         if handle.done():  # shm: the copy was synchronous; or nothing needed copying
-            self._release(cmd)
+            self._copied(cmd)
         else:
-            self.releasing.append(_PendingRelease(handle, cmd))
+            self.copying[cmd.request_id] = _Copying(handle, cmd)
         return True
 
     def _fail_transfer(self, cmd: HandoffCmd, exc: Exception) -> None:
@@ -335,14 +351,14 @@ class DecodeWorker(WorkerBase):
     def close(self) -> None:
         """Wait for the copies in flight (milliseconds) and release their leases before the sockets go; a
         release that is lost anyway is reclaimed by the prefill worker when the lease expires."""
-        for pending in self.releasing:
+        for copying in self.copying.values():
             try:
-                pending.handle.wait()
+                copying.handle.wait()
             except RuntimeError:  # NOTE: a broken CUDA context: leave the lease to expire
-                log.exception("waiting for the KV pull of %s failed", pending.cmd.request_id)
+                log.exception("waiting for the KV pull of %s failed", copying.cmd.request_id)
                 continue
-            self._release(pending.cmd, wait_ms=CLOSE_SEND_WAIT_MS)
-        self.releasing.clear()
+            self._release(copying.cmd, wait_ms=CLOSE_SEND_WAIT_MS)
+        self.copying.clear()
         self.handshakes.close()
         for sock in self.to_prefill:
             sock.close(linger=CLOSE_LINGER_MS)

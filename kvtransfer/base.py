@@ -13,7 +13,8 @@ protocol between the two workers:
    pool: `plan_segments`) and maps the pools of the prefill ranks those segments read (cached until
    `close`).
 3. per handed-off request: `handle = sink.pull(prefill_worker, src_block_ids, dst_block_ids)`, one copy per
-   segment; the request may be scheduled at once; `ReleaseCmd` once `handle.done()` is True, never before.
+   segment; once `handle.done()` is True (never before) the request may be scheduled, its destination blocks
+   freed or reused, and its lease released (`ReleaseCmd`).
 
 A source announces blocks (HandoffCmd) only after the writes into them have finished; the prefill
 worker guarantees it by reading the sampled first token on the host, which waits for the forward pass.
@@ -21,11 +22,11 @@ When the pulled bytes are usable: `pull` enqueues the copies and returns a PullH
 the host on the GPU:
 - shm: the copy is synchronous; the bytes are in the local pool when pull returns and done() is True.
 - cuda_ipc: the copies run on the sink's own stream, after the work already queued on the caller's current
-  stream of the local pool's device; before returning, pull makes that current stream wait on the copies'
-  event (a device-side wait). Work enqueued later on that stream (the engine's forward passes and CUDA
-  graph replays, which run on it) sees the bytes, so the engine may schedule the request at once. Work on
-  other streams and host reads of the local pool must first see done() True (or call wait()). Later pulls
-  run on the same sink stream, so the destination blocks of an aborted request may be reused at once.
+  stream of the local pool's device (a step still writing blocks freed before the pull lands first), and
+  beside the work enqueued there later: the engine's decode steps go on while a prompt's KV crosses, none
+  waits for it. Nothing may read or write the destination blocks until done() is True (or wait() returned).
+- dist: the copies run on the caller's current stream (NCCL receives and scatters); done() is True once they
+  and the work queued before them have run.
 The source blocks are read until done() is True. The lease may be released (ReleaseCmd) only then:
 after the release the prefill worker may overwrite or reallocate them. Until then the handle keeps alive
 what the copy reads (id tensors, pinned host buffers, the remote pools' mappings).
@@ -254,9 +255,9 @@ class KVTransferSink(ABC):
     @torch.inference_mode()
     def pull(self, prefill_worker: int, src_block_ids: list[int], dst_block_ids: list[int]) -> PullHandle:
         """Copy blocks src_block_ids of prefill_worker's pools into dst_block_ids of the local pool: K and V of
-        every layer, this rank's KV heads, one copy per head segment. Returns once the copies are enqueued and
-        ordered before later work on the caller's current stream (see the module's docstring); the lease may be
-        released once the handle is done(). KVTransferError when prefill_worker is not open or the ids are out
+        every layer, this rank's KV heads, one copy per head segment. Returns once the copies are enqueued (see
+        the module's docstring); the destination blocks may be used and the lease released once the handle is
+        done(). KVTransferError when prefill_worker is not open or the ids are out
         of range, of different lengths, or repeat a destination (nothing is copied then)."""
         remote = self._remotes.get(prefill_worker)
         if remote is None:
@@ -307,8 +308,8 @@ class KVTransferSink(ABC):
         self, remotes: dict[int, Any], segments: tuple[Segment, ...], src_block_ids: list[int], dst_block_ids: list[int]
     ) -> PullHandle:
         """For each segment s: local[:, :, dst, :, s.dst_head:+s.num_heads] = remotes[s.rank][:, :, src, :,
-        s.src_head:+s.num_heads] (ids already checked): done, or enqueued and ordered before the caller's current
-        stream, on return; the handle tells when the source blocks are no longer read."""
+        s.src_head:+s.num_heads] (ids already checked): done, or enqueued, on return; the handle tells when both
+        the source and the destination blocks are no longer touched."""
 
 
 def descriptor_field(descriptor: dict[str, Any], name: str, kind: type) -> Any:

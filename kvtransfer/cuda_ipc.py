@@ -14,9 +14,9 @@ lazily) and the block-copy kernel runs there, reading the source pool directly: 
 (kvtransfer.base.plan_segments), as on one GPU. Without peer access a segment's heads of the blocks are
 gathered on the source's GPU, cross with one copy (staged through the host by CUDA) and are scattered on the
 sink's.
-NOTE: pulls are asynchronous: every segment's copy runs on the sink's stream, then one event is recorded there
-and the caller's current stream waits on it on the GPU; the host only ever queries that event
-(PullHandle.done), see kvtransfer.base.
+NOTE: pulls are asynchronous: every segment's copy runs on the sink's stream, after the work queued on the
+caller's current stream and beside what is queued there later, then one event is recorded there; the host only
+ever queries that event (PullHandle.done), see kvtransfer.base.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ class CudaIpcSource(KVTransferSource):
 
 
 class CudaIpcSink(KVTransferSink):
-    """Copies blocks from mapped CUDA pools into a local CUDA pool on the sink's own streams; the caller's
-    current stream waits on the copies' event, the host does not (pull returns a handle to poll)."""
+    """Copies blocks from mapped CUDA pools into a local CUDA pool on the sink's own streams, beside the caller's
+    current stream; nobody waits for them (pull returns a handle to poll)."""
 
     transport = "cuda_ipc"
 
@@ -97,9 +97,8 @@ class CudaIpcSink(KVTransferSink):
     ) -> PullHandle:
         local = self.local_pool.tensor
         local_stream = self._stream(local.device)
-        compute_stream = torch.cuda.current_stream(local.device)
-        # Earlier work on the local pool (e.g. a copy-on-write) lands before ours.
-        local_stream.wait_stream(compute_stream)
+        # Earlier work on the local pool (a step still writing blocks freed before this pull) lands before ours.
+        local_stream.wait_stream(torch.cuda.current_stream(local.device))
         keep_alive: list[torch.Tensor] = list(remotes.values())
         ids_gpu: torch.Tensor | None = None  # [2, n] source and destination ids, shared by the segments' launches
         with torch.cuda.stream(local_stream):
@@ -115,7 +114,6 @@ class CudaIpcSink(KVTransferSink):
                 self._plan(remote, segment)(ids_gpu[0], ids_gpu[1])
             done = torch.cuda.Event()
             done.record(local_stream)
-        compute_stream.wait_event(done)  # NOTE: a GPU-side wait: later work on the pool sees the blocks
         return PullHandle(done, tuple(keep_alive))
 
     def _upload_ids(self, src_block_ids: list[int], dst_block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,8 +2,8 @@
 and pulls exact blocks, on the same GPU and, with two GPUs, across them; between TP groups (prefill TP 2 ->
 decode TP 1, TP 1 -> TP 2) each decode rank maps the prefill ranks holding its KV heads and pulls exactly
 those heads; mismatched layouts are refused. Pulls are asynchronous: pull returns before the copy has run, the
-current stream is ordered after it (reads on it need no synchronize of the sink's stream), and the handle
-becomes done."""
+copy runs after the work queued on the current stream and beside what is queued there later (a decode step
+never waits for it), and the handle becomes done."""
 
 from __future__ import annotations
 
@@ -47,9 +47,8 @@ def _sink_main(handshake_frame: bytes, device: str, conn: Connection, tp_size: i
         local = allocate_kv_pool(layout, device, shared=False)
         sink = make_sink("cuda_ipc", local, layout)
         sink.open(0, desc, layout.fingerprint())
-        handle = sink.pull(0, SRC, DST)
-        pulled = local.tensor.float().cpu().numpy()  # on the current stream: ordered after the copy by pull
-        assert handle.done()  # the read above waited for the copy's event on the GPU
+        sink.pull(0, SRC, DST).wait()
+        pulled = local.tensor.float().cpu().numpy()
         sink.close_all()
         conn.send(("ok", pulled))
     except BaseException:
@@ -156,38 +155,56 @@ def open_in_process(source: KVPool) -> tuple[InProcessSink, KVPool]:
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_pull_returns_before_the_copy_and_orders_the_current_stream_after_it(dtype: str) -> None:
+def test_pull_returns_before_the_copy_which_follows_earlier_work_on_the_current_stream(dtype: str) -> None:
     source = filled_source(replace(LAYOUT, dtype=dtype), "cuda:0")
     sink, local = open_in_process(source)
     sink.pull(0, SRC, DST).wait()  # warm-up: compiles the kernel, caches pinned memory
-    local.tensor.zero_()
+    local.tensor.zero_()  # on the current stream, before the sleep: a copy not ordered after it would be wiped
     torch.cuda._sleep(SLEEP_CYCLES)  # on the current stream; the sink's stream waits for it
     start = time.perf_counter()
     handle = sink.pull(0, SRC, DST)
     elapsed = time.perf_counter() - start
     assert not handle.done(), f"pull returned after the copy ({elapsed * 1e3:.1f} ms): the host waited"
-    pulled = local.tensor.float().cpu()  # current stream, no synchronize of the sink's stream
-    assert handle.done()  # the read waited for the copy's event on the GPU, so it has completed
+    handle.wait()
+    pulled = local.tensor.float().cpu()
     expected = source.tensor.float().cpu()
     assert torch.equal(pulled[:, :, DST], expected[:, :, SRC])
     untouched = [b for b in range(SINK_BLOCKS) if b not in DST]
     assert not pulled[:, :, untouched].any()
 
 
-def test_pull_handle_becomes_done_and_the_blocks_are_exact_on_the_current_stream() -> None:
+def test_work_queued_after_a_pull_does_not_wait_for_its_copy() -> None:
+    """What the decode steps queue after a pull runs beside its copy: with the sink's stream held up, the current
+    stream drains while the copy has not run; the copy then lands exact."""
+    source = filled_source(LAYOUT, "cuda:0")
+    sink, local = open_in_process(source)
+    sink.pull(0, SRC, DST).wait()  # warm-up
+    local.tensor.zero_()
+    torch.cuda.current_stream().synchronize()
+    with torch.cuda.stream(sink._stream(local.device)):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the copy queues behind this
+    handle = sink.pull(0, SRC, DST)
+    step = torch.ones(1, device="cuda:0") * 2  # a "decode step" queued after the pull
+    torch.cuda.current_stream().synchronize()
+    assert not handle.done(), "the current stream waited for the copy"
+    assert step.item() == 2
+    handle.wait()
+    assert torch.equal(local.tensor[:, :, DST].float().cpu(), source.tensor[:, :, SRC].float().cpu())
+
+
+def test_pull_handle_becomes_done_by_polling_and_the_blocks_are_exact() -> None:
     """A larger pull (every block of a 32-layer pool, 21 MB) with nothing gating it: done() turns True by
-    polling alone, and a read on the current stream right after pull sees every block."""
+    polling alone, and then every block is there."""
     layout = replace(LAYOUT, num_blocks=SINK_BLOCKS, num_layers=32)
     source = filled_source(layout, "cuda:0")
     sink, local = open_in_process(source)
     src, dst = list(range(SINK_BLOCKS))[::-1], list(range(SINK_BLOCKS))
     handle = sink.pull(0, src, dst)
-    copied = local.tensor.clone()  # on the current stream, ordered after the copy by pull
     deadline = time.monotonic() + 30
     while not handle.done():
         assert time.monotonic() < deadline, "the copy's event never completed"
         time.sleep(0.001)
-    assert torch.equal(copied, source.tensor.flip(2))
+    assert torch.equal(local.tensor, source.tensor.flip(2))
 
 
 # --- TP groups ----------------------------------------------------------------------------------------------
@@ -250,9 +267,8 @@ def test_decode_ranks_pull_their_heads_from_a_prefill_group_in_process(
         sink._reads[local.device] = not staged  # NOTE: as for a remote GPU without peer access
         sink.open(0, desc, pools[0].layout.fingerprint())
         assert sink.attached == ATTACHED[(p, d)][r]
-        handle = sink.pull(0, SRC, DST)
-        pulled = local.tensor.cpu()  # on the current stream: ordered after the copies by pull
-        assert handle.done()
+        sink.pull(0, SRC, DST).wait()
+        pulled = local.tensor.cpu()
         assert same_bits(pulled[:, :, DST], expected_heads(full, layout))
         assert not pulled[:, :, [b for b in range(SINK_BLOCKS) if b not in DST]].any()
         assert (not sink._plans) if staged else (len(sink._plans) == len(sink._remotes[0].segments))

@@ -71,12 +71,13 @@ def adopt(decode: Engine, req: Request) -> Adoption | None:
 
 
 def hand_off(prefill: Engine, decode: Engine, request_id: str, prompt: list[int]) -> Adoption:
-    """Prefill, adopt, copy the blocks the decode engine lacks, cache them, release the prefill blocks."""
+    """Prefill, adopt, copy the blocks the decode engine lacks, start it (caches them), release the prefill
+    blocks."""
     req = prefilled(prefill, request_id, prompt)
     dst = adopt(decode, req)
     assert dst is not None
     decode.runner.kv_pool[:, :, dst.dst] = prefill.runner.kv_pool[:, :, dst.sources(req.block_ids)]
-    decode.cache_adopted(request_id)
+    decode.start_adopted(request_id)
     prefill.release_blocks(req.block_ids)
     return dst
 
@@ -132,7 +133,7 @@ def test_failed_copy_leaves_no_block_findable_under_its_hash(tiny_llama_dir: Pat
     cached_before = decode.pool.num_cached_blocks
     dst_d = adopt(decode, fake_request("d", PROMPT_D))
     assert dst_d is not None and tuple(dst_d) == ([5, 6], 3)  # a 4th full block + the tail
-    decode.abort("d")  # the pull raised: the worker aborts without cache_adopted
+    decode.abort("d")  # the pull raised: the worker aborts it without starting it
     assert decode.pool.num_cached_blocks == cached_before == 3
     assert decode.pool.lookup(hash_full_blocks(PROMPT_D, BS)[3]) is None
     assert [decode.pool.ref_cnt(b) for b in range(1, 7)] == [1, 1, 1, 1, 0, 0]

@@ -1,6 +1,7 @@
-"""The decode worker's lease releases: a handed-off request decodes as soon as its pull is enqueued, its
-ReleaseCmd goes out once the pull's handle is done (polled in after_step), at once when the pull failed or
-was synchronous (shm), and at shutdown after waiting for the copy; the idle loop polls fast meanwhile.
+"""The decode worker's handoffs in flight: a handed-off request holds its blocks without decoding until its pull's
+handle is done (polled in after_step), then decodes and its ReleaseCmd goes out; at once when the pull failed
+or was synchronous (shm); an abort meanwhile frees its blocks when the copy is done; at shutdown the leases go
+back after waiting for the copies; the idle loop polls fast meanwhile.
 
 A real DecodeWorker on the tiny llama (CPU, shm transport) in this process; sockets bound here stand in for
 the router and prefill worker 0; a sink whose handles the test completes stands in for an async transport.
@@ -128,21 +129,27 @@ def received(sock: zmq.Socket, count: int) -> list[Message]:
     return got
 
 
-def test_request_decodes_at_once_and_its_lease_is_released_when_the_copy_is_done(harness: Harness) -> None:
-    worker = harness.worker
+def test_request_waits_for_its_copy_then_decodes_and_its_lease_is_released(harness: Harness) -> None:
+    worker, engine = harness.worker, harness.worker.engine
     sink = async_sink(worker)
     worker.handle(handoff("a", lease_id=7))
-    assert len(sink.handles) == 1 and worker.engine.has_unfinished()  # scheduled before the copy finished
-    assert worker.counters()["releases_pending"] == 1 and worker.has_pending_work()
-    worker.after_step()
-    worker.after_step()
-    assert worker.counters()["releases_pending"] == 1
+    assert len(sink.handles) == 1 and worker.counters()["releases_pending"] == 1 and worker.has_pending_work()
+    for _ in range(2):  # NOTE: the steps of the other requests go on meanwhile; this one is not in them
+        assert engine.step() == [] and not engine.scheduler.running and engine.num_adopted == 1
+        worker.after_step()
+    blocks = engine.requests["a"].block_ids
+    assert len(blocks) == 2 and engine.pool.num_cached_blocks == 0  # held, not offered to the prefix cache yet
+    assert worker.heartbeat_event().num_running == 1 and "a" not in worker.timings
     sink.handles[0].copied = True
     worker.after_step()
     assert worker.counters()["releases_pending"] == 0 and not worker.has_pending_work()
+    assert engine.scheduler.running == [engine.requests["a"]] and engine.num_adopted == 0
+    assert engine.pool.num_cached_blocks == 1 and worker.timings["a"].handoff_end > 0
     assert received(harness.prefill, 1) == [ReleaseCmd(0, [7], POOL_ID)]  # once, and not before the copy was done
     worker.after_step()
     assert received(harness.prefill, 0) == []
+    outputs = engine.step() + engine.step()  # NOTE: a decode step's tokens come out one step() later
+    assert [out.request_id for out in outputs] == ["a"]
 
 
 def test_each_lease_waits_for_its_own_copy(harness: Harness) -> None:
@@ -153,28 +160,47 @@ def test_each_lease_waits_for_its_own_copy(harness: Harness) -> None:
     sink.handles[1].copied = True  # completion order need not be handoff order
     worker.after_step()
     assert worker.counters()["releases_pending"] == 1
+    assert [r.request_id for r in worker.engine.scheduler.running] == ["b"]
     sink.handles[0].copied = True
     worker.after_step()
     assert received(harness.prefill, 2) == [ReleaseCmd(0, [2], POOL_ID), ReleaseCmd(0, [1], POOL_ID)]
+    assert [r.request_id for r in worker.engine.scheduler.running] == ["b", "a"]
 
 
-def test_aborted_request_keeps_its_lease_until_the_copy_is_done_and_the_idle_loop_polls_fast(
+def test_aborted_request_keeps_its_blocks_and_lease_until_the_copy_is_done_and_the_idle_loop_polls_fast(
     harness: Harness,
 ) -> None:
-    worker = harness.worker
+    worker, pool = harness.worker, harness.worker.engine.pool
     sink = async_sink(worker)
     assert worker._poll_timeout_ms() == 250
     worker.handle(handoff("a", lease_id=3))
-    assert worker._poll_timeout_ms() == 0  # the request runs
+    assert not worker.engine.has_unfinished()  # adopted, not scheduled
+    assert worker._poll_timeout_ms() == PENDING_POLL_MS  # idle, but a copy is due to finish soon
     worker.handle(AbortCmd("a"))
-    assert not worker.engine.has_unfinished()
-    assert worker._poll_timeout_ms() == PENDING_POLL_MS  # idle, but a release is due soon
+    assert worker.num_aborted == 1 and pool.num_used_blocks == 2  # the copy still writes them
     worker.after_step()
     assert worker.counters()["releases_pending"] == 1  # the source blocks may still be read
     sink.handles[0].copied = True
     worker.after_step()
     assert received(harness.prefill, 1) == [ReleaseCmd(0, [3], POOL_ID)]
+    assert pool.num_used_blocks == 0 and "a" not in worker.engine.requests and not worker.engine.has_unfinished()
     assert worker._poll_timeout_ms() == 250
+
+
+def test_a_handoff_reusing_an_id_whose_abort_waits_for_its_copy_waits_too(harness: Harness) -> None:
+    worker = harness.worker
+    sink = async_sink(worker)
+    worker.handle(handoff("a", lease_id=1))
+    worker.handle(AbortCmd("a"))
+    worker.handle(handoff("a", lease_id=2, block_ids=[8, 9]))  # e.g. the router's retry
+    assert len(sink.handles) == 1 and len(worker.waiting) == 1
+    sink.handles[0].copied = True
+    worker.after_step()
+    assert len(sink.handles) == 2 and not worker.waiting and worker.engine.num_adopted == 1
+    sink.handles[1].copied = True
+    worker.after_step()
+    assert [r.request_id for r in worker.engine.scheduler.running] == ["a"]
+    assert received(harness.prefill, 2) == [ReleaseCmd(0, [1], POOL_ID), ReleaseCmd(0, [2], POOL_ID)]
 
 
 def test_busy_polling_keeps_the_loop_awake_for_its_window_after_work(
@@ -209,7 +235,8 @@ def test_failed_pull_releases_at_once_and_reports_the_request(harness: Harness) 
     sink = async_sink(worker)
     sink.fail = True
     worker.handle(handoff("a", lease_id=4))
-    assert worker.counters()["releases_pending"] == 0 and not worker.engine.has_unfinished()
+    assert worker.counters()["releases_pending"] == 0 and not worker.engine.requests
+    assert worker.engine.pool.num_used_blocks == 0  # nothing in flight: freed at once
     assert received(harness.prefill, 1) == [ReleaseCmd(0, [4], POOL_ID)]
     (error,) = received(harness.router, 1)
     assert isinstance(error, RequestErrorEvent) and (error.request_id, error.code) == ("a", "UNAVAILABLE")
@@ -247,4 +274,4 @@ def test_block_hashes_must_be_one_per_full_block_or_none(harness: Harness) -> No
     assert not worker.engine.has_unfinished() and not worker.waiting  # dropped
     async_sink(worker)
     worker.handle(handoff("good", lease_id=9, hashes=pack_block_hashes(own)))
-    assert worker.engine.has_unfinished() and worker.engine.requests["good"].block_hashes[:1] == own
+    assert worker.engine.requests["good"].block_hashes[:1] == own

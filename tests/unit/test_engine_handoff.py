@@ -41,6 +41,8 @@ def test_detach_copy_adopt_equals_single_engine(tiny_llama_dir: Path, lengths: t
             src = adoption.sources(req.block_ids)
             decode.runner.kv_pool[:, :, adoption.dst] = prefill.runner.kv_pool[:, :, src]
             prefill.release_blocks(req.block_ids)
+            assert adopted not in decode.scheduler.running  # not scheduled until its copy is done
+            decode.start_adopted(req.request_id)
     assert prefill.pool.num_used_blocks == 0
     rest: dict[str, list[int]] = {rid: [] for rid in first}
     while decode.has_unfinished():
@@ -79,7 +81,7 @@ def test_a_handoff_carries_its_block_hashes_and_the_decode_engine_hashes_nothing
     assert adoption is not None and hashed == []
     decode.runner.kv_pool[:, :, adoption.dst] = prefill.runner.kv_pool[:, :, adoption.sources(req.block_ids)]
     prefill.release_blocks(req.block_ids)
-    decode.cache_adopted("a")
+    decode.start_adopted("a")
     monkeypatch.undo()
     # the registered hashes are the blocks' own: a local prompt with the same first 4 blocks finds them
     other = [*prompt[: 4 * bs], 1, 2, 3]

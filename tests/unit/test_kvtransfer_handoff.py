@@ -57,7 +57,8 @@ def test_prefill_lease_pull_release_equals_single_engine(tiny_llama_dir: Path) -
             adoption = decode.adopt(req.request_id, req.token_ids, req.num_prompt_tokens, state)
             assert adoption is not None
             handle = sink.pull(0, adoption.sources(req.block_ids), adoption.dst)
-            assert handle.done()  # NOTE: the lease may be released only once the copy is done
+            assert handle.done()  # NOTE: the request may start and the lease go back only once the copy is done
+            decode.start_adopted(req.request_id)
             prefill.release_blocks(leases.release([lease_id]))
     assert len(leases) == 0 and prefill.pool.num_used_blocks == 0
 
