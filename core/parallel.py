@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.kernels.allreduce_norm import PeerRows
+from pdserve.kernels.triton_utils import use_pdl
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +152,9 @@ class FusedAllReduceNorm:
         from pdserve.kernels.allreduce_norm import all_reduce_rms_norm
 
         return all_reduce_rms_norm(
-            x, residual, weight, eps, self.buffer_ptrs, self.slot_rows, self.epochs, self.rows, self.rank, pushed
-        )
+            x, residual, weight, eps, self.buffer_ptrs, self.slot_rows, self.epochs, self.rows, self.rank, pushed,
+            use_pdl(x),
+        )  # fmt: skip
 
 
 class TPGroup:

@@ -38,6 +38,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from pdserve.kernels.triton_utils import pdl_wait
+
 try:
     import triton
     import triton.language as tl
@@ -155,7 +157,9 @@ if triton is not None:
         BLOCK: tl.constexpr,
         TIMEOUT_NS: tl.constexpr,
         PUSHED: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_wait(PDL)  # NOTE: before the epochs, the slots and the peers' buffers are touched
         pid = tl.program_id(0)
         dtype = x_ptr.dtype.element_ty
         offs = tl.arange(0, BLOCK)
@@ -202,17 +206,20 @@ def all_reduce_rms_norm(
     capacity: int,
     rank: int,
     pushed: bool = False,
+    pdl: bool = False,
 ) -> tuple[Tensor, Tensor]:  # (rms_norm(sum + residual), sum + residual), new tensors
     """(rms_norm(sum over ranks of x + residual), sum + residual) in one launch; the caller checks that the
     message fits the buffer (core/parallel.py FusedAllReduceNorm.fits). With pushed, x's one row is already in the
-    peers' buffers (the GEMV that made it wrote it there, kernels/gemv.py with PeerRows)."""
+    peers' buffers (the GEMV that made it wrote it there, kernels/gemv.py with PeerRows). With pdl
+    (triton_utils.use_pdl), a programmatic dependent launch."""
     num_rows, hidden = x.shape
     out, residual_out = torch.empty_like(x), torch.empty_like(x)
     block, bits = triton.next_power_of_2(hidden), x.element_size() * 8
     _all_reduce_rms_norm_kernel[(PROGRAMS,)](
         x, residual, weight, out, residual_out, buffer_ptrs, slot_rows, epochs, num_rows, capacity, hidden, eps,
         RANK=rank, WORLD=buffer_ptrs.numel(), PROGRAMS=PROGRAMS, SLOTS=SLOTS, INT=SENTINEL_INT[bits],
-        SENTINEL=SENTINEL_BITS[bits], BLOCK=block, TIMEOUT_NS=SPIN_TIMEOUT_NS, PUSHED=pushed,
+        SENTINEL=SENTINEL_BITS[bits], BLOCK=block, TIMEOUT_NS=SPIN_TIMEOUT_NS, PUSHED=pushed, PDL=pdl,
         num_warps=min(16, max(1, block // 256)),  # NOTE: fused_ops.py's RMSNorm's: the same reduction, bits
+        launch_pdl=pdl,
     )  # fmt: skip
     return out, residual_out

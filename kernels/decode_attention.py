@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.rope_tiles import RopeTables, check_tables, load_rotated
-from pdserve.kernels.triton_utils import device_num_sms
+from pdserve.kernels.triton_utils import device_num_sms, pdl_wait
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32
@@ -176,7 +176,9 @@ def _decode_stage1(
     SPLIT: tl.constexpr,
     ROPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -267,7 +269,9 @@ def _decode_stage2(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -313,12 +317,14 @@ def paged_decode_attention(
     workspace: DecodeWorkspace | None = None,
     cfg: DecodeTileConfig | None = None,
     rope: RopeTables | None = None,  # rotate q (at position seq_lens - 1) as it is loaded
+    pdl: bool = False,
 ) -> torch.Tensor:  # [batch, num_heads, head_dim], q's dtype unless `out` says otherwise
     """Attention of one new query per sequence over its paged K/V; sequences of length 0 give zeros.
 
     num_splits: split-K partitions of each sequence's context; None picks choose_num_splits(...) (capped at
     the workspace's max_splits when one is given). With more than one split the partial results go to
-    `workspace`, allocated here when None.
+    `workspace`, allocated here when None. With pdl (triton_utils.use_pdl), both stages are programmatic dependent
+    launches.
     """
     _check_inputs(q, kv_cache, block_tables, seq_lens)
     batch, num_heads, head_dim = q.shape
@@ -362,10 +368,12 @@ def paged_decode_attention(
         SPLIT=split,
         ROPE=rope is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PDL=pdl,
         num_warps=cfg.num_warps,
+        launch_pdl=pdl,
     )  # fmt: skip
     if split:
-        _merge_splits(part_out, part_lse, out, num_splits)
+        _merge_splits(part_out, part_lse, out, num_splits, pdl)
     return out
 
 
@@ -384,7 +392,9 @@ def _split_buffers(
     return part_out, part_lse
 
 
-def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+def _merge_splits(
+    part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int, pdl: bool
+) -> None:
     """Stage 2: each (sequence, head) output from its splits' partial results."""
     batch, num_heads, head_dim = out.shape
     _decode_stage2[(batch, num_heads)](
@@ -394,7 +404,9 @@ def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Ten
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim,
         SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )  # fmt: skip
 
 

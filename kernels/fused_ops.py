@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pdserve.kernels.triton_utils import check_rows, jit, use_triton
+from pdserve.kernels.triton_utils import check_rows, jit, pdl_wait, use_pdl, use_triton
 
 try:
     import triton
@@ -55,7 +55,9 @@ def _rms_norm_kernel(
     stride_ro,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -74,7 +76,7 @@ def _rms_norm_kernel(
 
 @overload
 def rms_norm_triton(
-    x: Tensor, weight: Tensor, eps: float, residual: None = None, *, out: Tensor | None = None
+    x: Tensor, weight: Tensor, eps: float, residual: None = None, *, out: Tensor | None = None, pdl: bool = False
 ) -> Tensor: ...
 @overload
 def rms_norm_triton(
@@ -85,6 +87,7 @@ def rms_norm_triton(
     *,
     out: Tensor | None = None,
     residual_out: Tensor | None = None,
+    pdl: bool = False,
 ) -> tuple[Tensor, Tensor]: ...
 def rms_norm_triton(
     x: Tensor,  # [num_tokens, hidden]
@@ -94,10 +97,12 @@ def rms_norm_triton(
     *,
     out: Tensor | None = None,  # [num_tokens, hidden], written in place
     residual_out: Tensor | None = None,  # [num_tokens, hidden], written in place
+    pdl: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """rms_norm(x) in one pass; with residual, (rms_norm(x + residual), x + residual) in one pass.
 
-    The output dtype is torch's for `weight * normed`: x's dtype when the weight's matches.
+    The output dtype is torch's for `weight * normed`: x's dtype when the weight's matches. With pdl
+    (triton_utils.use_pdl), a programmatic dependent launch.
     """
     assert x.dim() == 2, f"x must be [num_tokens, hidden], got {tuple(x.shape)}"
     num_tokens, hidden = x.shape
@@ -107,17 +112,24 @@ def rms_norm_triton(
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device) if out is None else out
     check_rows("out", out, x.shape, out_dtype)
     if residual is None:
-        _launch_rms_norm(x, x, weight, out, out, eps, has_residual=False)  # x, out stand in for the residuals
+        _launch_rms_norm(x, x, weight, out, out, eps, has_residual=False, pdl=pdl)  # x, out stand in for the residuals
         return out
     check_rows("residual", residual, x.shape, x.dtype)
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual_out is None else residual_out
     check_rows("residual_out", residual_out, x.shape, x.dtype)
-    _launch_rms_norm(x, residual, weight, out, residual_out, eps, has_residual=True)
+    _launch_rms_norm(x, residual, weight, out, residual_out, eps, has_residual=True, pdl=pdl)
     return out, residual_out
 
 
 def _launch_rms_norm(
-    x: Tensor, residual: Tensor, weight: Tensor, out: Tensor, residual_out: Tensor, eps: float, has_residual: bool
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor,
+    out: Tensor,
+    residual_out: Tensor,
+    eps: float,
+    has_residual: bool,
+    pdl: bool,
 ) -> None:
     num_tokens, hidden = x.shape
     block = triton.next_power_of_2(hidden)
@@ -129,7 +141,9 @@ def _launch_rms_norm(
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
         BLOCK=block,
         HAS_RESIDUAL=has_residual,
+        PDL=pdl,
         num_warps=min(16, max(1, block // 256)),
+        launch_pdl=pdl,
     )  # fmt: skip
 
 
@@ -155,9 +169,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: None = None) -> Te
 @overload
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor) -> tuple[Tensor, Tensor]: ...
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """rms_norm(x), or (rms_norm(x + residual), x + residual): the Triton kernel on CUDA, torch elsewhere."""
+    """rms_norm(x), or (rms_norm(x + residual), x + residual): the Triton kernel on CUDA (a programmatic dependent
+    launch where use_pdl), torch elsewhere."""
     if use_triton(x):
-        return rms_norm_triton(x, weight, eps, residual)
+        return rms_norm_triton(x, weight, eps, residual, pdl=use_pdl(x))
     return rms_norm_ref(x, weight, eps, residual)
 
 

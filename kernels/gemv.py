@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from pdserve.kernels.allreduce_norm import SENTINEL_BITS, SLOTS, PeerRows
-from pdserve.kernels.triton_utils import jit
+from pdserve.kernels.triton_utils import jit, pdl_wait
 
 try:
     import triton
@@ -90,12 +90,11 @@ def _gemv_kernel(
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     first = 0
-    if PDL:  # NOTE: launched early beside the kernel before it (programmatic dependent launch): W does not depend on
-        # that kernel, so the first tile is read before waiting for its writes (x); dependents may launch after
+    if PDL:  # NOTE: launched early beside the kernel before it (programmatic dependent launch): no kernel writes W,
+        # so the first tile is read before waiting for that kernel's writes (x)
         cols = tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + cols[None, :])
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl_wait(PDL)
         acc += w.to(tl.float32) * _x_chunk(x_ptr, cols, HALF)[None, :]
         first = BLOCK_K
     for k in range(first, K, BLOCK_K):
@@ -146,7 +145,9 @@ def gemv(
 ) -> Tensor:  # [1, N], x's dtype
     """x @ weight^T (+ bias; with half: silu(gate) * up of x first, kernels/swiglu_gemm.py's layout) at `config`
     (default: tiling(K)); the caller checks gemv_fits. With push, the row also goes into every peer's buffer of
-    the fused sum that follows (kernels/allreduce_norm.py, called with pushed=True next)."""
+    the fused sum that follows (kernels/allreduce_norm.py, called with pushed=True next). With pdl
+    (triton_utils.use_pdl), a programmatic dependent launch: the first weight tile is read while the kernel before
+    it finishes."""
     n, k = weight.shape
     config = config or tiling(k)
     assert config is not None, f"no tiling for K = {k}"
@@ -160,7 +161,7 @@ def gemv(
         INT=SENTINEL_INT[bits],
         SENTINEL=SENTINEL_BITS[bits], PDL=pdl, num_warps=config.num_warps,
         num_stages=1,  # NOTE: 3 timed the same (sweep_bk1024.json)
-        **({"launch_pdl": True} if pdl else {}),
+        launch_pdl=pdl,
     )  # fmt: skip
     return y
 

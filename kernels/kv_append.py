@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.rope_tiles import RopeTables, check_tables, load_rotated, rope_ref_one
+from pdserve.kernels.triton_utils import pdl_wait
 
 
 @triton.jit
@@ -89,7 +90,9 @@ def _append_kv(
     ROPE_Q: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     Q_HEADS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     if MODE == 0:
         slot = tl.load(index_ptr + t).to(tl.int64)
@@ -137,11 +140,12 @@ def append_kv(
     block_tables: torch.Tensor | None = None,  # [num_tokens, max_blocks] int32
     rope: RopeTables | None = None,
     q: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], rotated beside k (rope only)
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # (the K written: k, or k rotated), q rotated
     """kv_cache[:, slot(t)] = k[t], v[t]: by slot_mapping, or (decode) by positions and block_tables.
 
     With rope, k is rotated at its positions (needed then with slot_mapping too) on its way into the cache, and
-    so is q when given: new contiguous tensors.
+    so is q when given: new contiguous tensors. With pdl (triton_utils.use_pdl), a programmatic dependent launch.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     _, _, block_size, cache_heads, cache_dim = kv_cache.shape
@@ -187,8 +191,10 @@ def append_kv(
         ROPE_Q=q is not None,
         NUM_HEADS=q_in.shape[1],
         Q_HEADS_PAD=triton.next_power_of_2(q_in.shape[1]),
+        PDL=pdl,
         num_warps=4,
         enable_fp_fusion=False,  # NOTE: rope's products and sum round separately, as torch's do
+        launch_pdl=pdl,
     )  # fmt: skip
     return k_out, q_out
 

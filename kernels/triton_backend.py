@@ -27,6 +27,7 @@ from pdserve.kernels.kv_append import append_kv
 from pdserve.kernels.prefill_attention import paged_prefill_attention
 from pdserve.kernels.prefill_splits import PrefillWorkspace
 from pdserve.kernels.split_policy import SPLIT_MAX_TOKENS, choose_num_splits
+from pdserve.kernels.triton_utils import use_pdl
 
 ROWS_NUM_SPLITS = 8
 """Split-K partitions of forward_rows' decode attention, fixed: a split count picked per pass (from the rows and
@@ -69,14 +70,15 @@ class TritonAttention:
         plan: _TritonPlan = meta.plan
         tables = rope.tables if rope is not None else None
         positions = rope.positions if rope is not None else None
+        pdl = use_pdl(q)
         if plan.decode:  # the decode kernel rotates each sequence's one query as it loads it
-            self._append(k, v, kv_cache, meta, rope)
+            self._append(k, v, kv_cache, meta, rope, pdl)
             workspace = self._decode_workspace(q)
             return paged_decode_attention(
-                q, kv_cache, meta.block_tables, meta.seq_lens, scale, workspace=workspace, rope=tables
+                q, kv_cache, meta.block_tables, meta.seq_lens, scale, workspace=workspace, rope=tables, pdl=pdl
             )
         assert meta.slot_mapping is not None, "a prefill pass needs slot_mapping"
-        k, q_rot = append_kv(k, v, kv_cache, meta.slot_mapping, positions, rope=tables, q=q if rope else None)
+        k, q_rot = append_kv(k, v, kv_cache, meta.slot_mapping, positions, rope=tables, q=q if rope else None, pdl=pdl)
         q = q if q_rot is None else q_rot
         chunks, out = meta, None
         if meta.mixed is not None:  # the decodes first: their padding slots' zero rows are the chunks' to overwrite
@@ -85,7 +87,7 @@ class TritonAttention:
             rows = slice(0, decodes.num_seqs)
             paged_decode_attention(
                 q[rows], kv_cache, decodes.block_tables, decodes.seq_lens, scale, out=out[rows],
-                num_splits=ROWS_NUM_SPLITS, workspace=self._decode_workspace(q[rows]),
+                num_splits=ROWS_NUM_SPLITS, workspace=self._decode_workspace(q[rows]), pdl=pdl,
             )  # fmt: skip
         return paged_prefill_attention(
             q, k, v, kv_cache, chunks.block_tables, chunks.query_start_loc, chunks.seq_lens, plan.max_query_len,
@@ -105,25 +107,31 @@ class TritonAttention:
         """Every new token's K/V into the cache, then the rows' attention as a decode pass over the cache."""
         assert meta.rows is not None and meta.slot_mapping is not None, "forward_rows needs a prefill pass's rows"
         tables = rope.tables if rope is not None else None
-        self._append(k, v, kv_cache, meta, rope)
+        pdl = use_pdl(q)
+        self._append(k, v, kv_cache, meta, rope, pdl)
         rows = meta.rows.meta
         if not len(q):
             return q
         workspace = self._decode_workspace(q)
         return paged_decode_attention(
             q, kv_cache, rows.block_tables, rows.seq_lens, scale, num_splits=ROWS_NUM_SPLITS, workspace=workspace,
-            rope=tables,
+            rope=tables, pdl=pdl,
         )  # fmt: skip
 
     @staticmethod
     def _append(
-        k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, rope: Rope | None
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: Rope | None,
+        pdl: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         tables = rope.tables if rope is not None else None
         positions = rope.positions if rope is not None else None
         if meta.slot_mapping is not None:
-            return append_kv(k, v, kv_cache, meta.slot_mapping, positions, rope=tables)
-        return append_kv(k, v, kv_cache, positions=meta.positions, block_tables=meta.block_tables, rope=tables)
+            return append_kv(k, v, kv_cache, meta.slot_mapping, positions, rope=tables, pdl=pdl)
+        return append_kv(k, v, kv_cache, positions=meta.positions, block_tables=meta.block_tables, rope=tables, pdl=pdl)
 
     def _prefill_split_workspace(self, q: torch.Tensor) -> PrefillWorkspace:
         """Sized once for SPLIT_MAX_TOKENS tokens (a captured prefill graph keeps pointing at it)."""

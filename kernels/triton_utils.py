@@ -1,5 +1,5 @@
 """Helpers the Triton kernels share: jit without triton installed, the kernel-or-reference choice, row checks,
-the device's SM count and Triton's scratch allocator.
+the device's SM count, programmatic dependent launch and Triton's scratch allocator.
 
 triton is optional here (the `gpu` extra): without it this module imports, `jit` returns the function as it is
 and `use_triton` is False.
@@ -16,6 +16,7 @@ from torch import Tensor
 
 try:
     import triton
+    import triton.language as tl
 except ImportError:  # pragma: no cover - CPU installs without the `gpu` extra
     triton = None  # type: ignore[assignment]
 
@@ -31,6 +32,28 @@ def jit(fn: Callable[..., None]) -> Any:
 def use_triton(x: Tensor) -> bool:
     """Whether an op on x runs its kernel: a CUDA tensor and triton installed."""
     return x.is_cuda and triton is not None
+
+
+def use_pdl(x: Tensor) -> bool:
+    """Whether the kernels of an op on x launch with programmatic dependent launch (launch_pdl, and their PDL
+    constexpr): a CUDA tensor on sm_90 or newer, outside the Triton interpreter."""
+    return x.is_cuda and triton is not None and _pdl_device(x.get_device())
+
+
+@functools.cache
+def _pdl_device(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9 and not triton.knobs.runtime.interpret
+
+
+@jit
+def pdl_wait(PDL: tl.constexpr):
+    """With PDL, the first thing a kernel launched with launch_pdl does apart from reading weights: wait until the
+    kernel before it has finished and its writes are visible, then let the kernel after it launch (which waits in
+    turn). NOTE: every write comes after the wait too: under CUDA graphs or the caching allocator a buffer this
+    kernel writes may be one the kernel before still reads."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def check_rows(name: str, t: Tensor, shape: torch.Size, dtype: torch.dtype) -> None:

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 from pdserve.core.parallel import Shard, TPGroup, even_split, tp_group
 from pdserve.kernels.fused_ops import silu_and_mul_blocks
 from pdserve.kernels.gemv import gemv, gemv_fits
+from pdserve.kernels.triton_utils import use_pdl
 
 VOCAB_PAD = 64
 """Each rank's vocabulary rows are padded to a multiple of this (as vLLM does)."""
@@ -45,7 +46,7 @@ class MergedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         if gemv_fits(x, self.weight):  # NOTE: one row (a decode step at batch 1)
-            return gemv(x, self.weight, bias=self.bias)
+            return gemv(x, self.weight, bias=self.bias, pdl=use_pdl(x))
         return F.linear(x, self.weight, self.bias)
 
     def rows(self, x: torch.Tensor, start: int, stop: int | None = None) -> torch.Tensor:
@@ -107,7 +108,7 @@ class RowParallelLinear(nn.Linear):
         peers' buffers as it computes it (TPGroup.push_target)."""
         if self.bias is None and gemv_fits(x, self.weight, swiglu):
             push = self.tp.push_target(1, self.out_features, x.dtype) if self.partial else None
-            local = gemv(x, self.weight, swiglu, push=push)
+            local = gemv(x, self.weight, swiglu, push=push, pdl=use_pdl(x))
             if push is not None:
                 self.tp.note_pushed(local)
             return local if self.tp.size == 1 or self.partial else self.tp.all_reduce(local)
