@@ -49,7 +49,7 @@ class WorkerCollector(Collector):
         used = hb.num_total_blocks - hb.num_free_blocks
         cached = hb.counters.get("cached_blocks", 0)
         yield _gauge("pdserve_requests_running", "Requests in the running batch (handoffs being copied in too).",
-                     labels, hb.num_running)
+                     labels, hb.num_running)  # fmt: skip
         yield _gauge("pdserve_requests_waiting", "Requests queued (handoffs waiting for room too).", labels,
                      hb.num_waiting + hb.counters.get("handoffs_waiting", 0))  # fmt: skip
         kv = GaugeMetricFamily("pdserve_kv_blocks", "KV blocks by state.", labels=["role", "worker", "state"])
