@@ -7,7 +7,7 @@ pass computing a chunk of a prompt whose earlier tokens are cached, per chunk si
 attention reads its prefix: Profile.prefix_cost); --mps 30,50,70 each role's step time at those SM shares under
 MPS over its time with the whole GPU (Profile.slowdown; a prefill at the step budget, a decode step of 64 x 2048);
 --handoff the decode GPU's copy of a prompt's KV from the prefill GPU's pool per prompt length (GPU 1 -> GPU 0
-where two are visible, the copy that holds up a decode step: router/plan/simulate.py DecodeWorker).
+where two are visible, the copy a handed-off request waits for: router/plan/simulate.py DecodeWorker).
 
     python scripts/profile_layout.py --shape llama-8b --gpus 2 --out bench/out/profile-llama-8b.json
     python scripts/profile_layout.py --shape llama-8b --tp 2 --out bench/out/profile-llama-8b.json

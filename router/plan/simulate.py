@@ -9,9 +9,9 @@ handoff's are the top level's, whatever the TP sizes on either side.
   token; the decode side gets it after the handoff's fixed part (its messages).
 - Decode worker: continuous batching. A step runs every running sequence and lasts decode_time(batch, mean
   context) x slowdown; a waiting request joins at a step boundary while the batch is under max_num_seqs and its KV
-  (prompt + output tokens) fits the worker's capacity. A handed-off request's pull (the handoff's per-token part,
-  the copy of its KV) holds up the worker's next step: pdserve's decode stream waits on the copy
-  (kvtransfer/cuda_ipc.py), so every running sequence's gap grows by it.
+  (prompt + output tokens) fits the worker's capacity; then its pull (the handoff's per-token part, the copy of
+  its KV) runs beside the steps, holding its KV room, and it joins the batch at the first step boundary after the
+  copy is done, as pdserve's decode worker starts an adopted request (decode_worker/worker.py).
 - Colocated worker: each step runs the decodes plus up to `chunk - decodes` prompt tokens (chunked prefill,
   decodes first as pdserve's scheduler does); a mixed step lasts the decode step plus the chunk's marginal
   prefill cost, decode_time(B, ctx) + prefill_time(c + B) - prefill_time(B) (one forward pass reads the weights
@@ -185,32 +185,42 @@ class DecodeWorker:
         self.waiting: deque[SimRequest] = deque()
         self.batch = BatchState()
         self.now = 0.0
-        self.pulls = 0.0
-        """Seconds of KV copies issued since the last step began (the next step waits for them)."""
+        self.copying: list[tuple[float, SimRequest]] = []
+        """Admitted requests whose KV is being copied in, with the time the copy is done."""
 
     @property
     def load(self) -> float:
-        return (self.batch.num_running + len(self.waiting)) * self.slow
+        return (self.batch.num_running + len(self.copying) + len(self.waiting)) * self.slow
 
     def add(self, req: SimRequest, t: float) -> None:
-        if not self.batch.num_running and not self.waiting:
+        if not self.batch.num_running and not self.waiting and not self.copying:
             self.now = max(self.now, t)
         self.waiting.append(req)
-        self.pulls += self.cost.pull(req.prompt_len)
 
     def advance_to(self, t: float) -> None:
         batch = self.batch
-        while (batch.num_running or self.waiting) and self.now < t:
-            while self.waiting and batch.num_running < self.max_num_seqs:
-                need = self.waiting[0].prompt_len + self.waiting[0].output_len
-                if batch.num_running and batch.kv_used + need > self.kv_capacity:
-                    break
-                batch.kv_used += need
-                batch.start(self.waiting.popleft(), batch.step)
+        while (batch.num_running or self.waiting or self.copying) and self.now < t:
+            self._admit()
+            for copied in [c for c in self.copying if c[0] <= self.now]:
+                self.copying.remove(copied)
+                batch.start(copied[1], batch.step)
+            if not batch.num_running:  # NOTE: idle until a copy is done (or t)
+                self.now = min([t, *(done for done, _ in self.copying)])
+                continue
             step = self.cost.decode(batch.num_running, batch.context_sum / batch.num_running) * self.slow
-            self.now += step + self.pulls
-            self.pulls = 0.0
+            self.now += step
             batch.end_step(self.now)
+
+    def _admit(self) -> None:
+        """Adopt waiting requests while there is room: their copies start now."""
+        batch = self.batch
+        while self.waiting and batch.num_running + len(self.copying) < self.max_num_seqs:
+            need = self.waiting[0].prompt_len + self.waiting[0].output_len
+            if (batch.num_running or self.copying) and batch.kv_used + need > self.kv_capacity:
+                break
+            batch.kv_used += need
+            req = self.waiting.popleft()
+            self.copying.append((self.now + self.cost.pull(req.prompt_len), req))
 
 
 class ColocatedWorker:
@@ -330,7 +340,7 @@ def simulate(layout: Layout, cost: StepCost, requests: list[SimRequest], sim: Si
 
     def first_token(req: SimRequest) -> None:
         if req.output_len > 1:
-            handed.append((req.first_token + profile.handoff_fixed_ms / 1e3, req))  # NOTE: its copy: DecodeWorker
+            handed.append((req.first_token + profile.handoff_fixed_ms / 1e3, req))  # NOTE: the copy: DecodeWorker
         else:
             req.done = req.first_token
 
