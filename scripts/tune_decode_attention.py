@@ -3,8 +3,12 @@ backends for the dense prefill shape beside the Triton prefill kernel.
 
     python scripts/tune_decode_attention.py [--out bench/out/tune_decode.json]
 
-Decode shapes: the GPT-2-124M bench (128 sequences, 12 x 64 MHA) at the contexts it sees, and Llama-1B / 8B
-GQA shapes at long contexts. Prints each config's median microseconds and the default's.
+Decode shapes: the GPT-2-124M bench (128 sequences, 12 x 64 MHA) at the contexts it sees, Llama-1B / 8B GQA shapes
+at long contexts, and one Llama-8B sequence at TP 1 and at TP 2 (each rank's 16 heads, 4 KV heads), whose block
+table is as wide as the graphed decode step's (8192 tokens: the default split count comes from that width).
+Prints each config's median microseconds and the default's. --shapes picks some; --no-prefill skips the prefill.
+
+    python scripts/tune_decode_attention.py --shapes llama8b-tp1-b1-ctx1024 llama8b-tp2-b1-ctx1024 --no-prefill
 """
 
 from __future__ import annotations
@@ -30,13 +34,16 @@ from pdserve.kernels.prefill_attention import paged_prefill_attention
 from pdserve.kernels.triton_utils import device_num_sms
 
 BLOCK_SIZE = 16
-# name: (batch, heads, kv_heads, head_dim, context)
+# name: (batch, heads, kv_heads, head_dim, context, block table width in tokens (0: the context's))
 DECODE_SHAPES = {
-    "gpt2-b128-ctx70": (128, 12, 12, 64, 70),
-    "gpt2-b128-ctx130": (128, 12, 12, 64, 130),
-    "llama1b-b64-ctx1000": (64, 32, 8, 64, 1000),
-    "llama8b-b32-ctx4000": (32, 32, 8, 128, 4000),
+    "gpt2-b128-ctx70": (128, 12, 12, 64, 70, 0),
+    "gpt2-b128-ctx130": (128, 12, 12, 64, 130, 0),
+    "llama1b-b64-ctx1000": (64, 32, 8, 64, 1000, 0),
+    "llama8b-b32-ctx4000": (32, 32, 8, 128, 4000, 0),
+    "llama8b-tp1-b1-ctx1024": (1, 32, 8, 128, 1024, 8192),
+    "llama8b-tp2-b1-ctx1024": (1, 16, 4, 128, 1024, 8192),
 }
+SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def median_us(fn: Callable[[], object], repeats: int, inner: int = 10) -> float:
@@ -61,9 +68,13 @@ def median_us(fn: Callable[[], object], repeats: int, inner: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def decode_inputs(batch: int, heads: int, kv_heads: int, head_dim: int, context: int) -> tuple[torch.Tensor, ...]:
+def decode_inputs(
+    batch: int, heads: int, kv_heads: int, head_dim: int, context: int, width: int
+) -> tuple[torch.Tensor, ...]:
+    """q, the KV pool, block tables of max(width, context) tokens a row (the tail blocks past the context unread),
+    sequence lengths."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    per_seq = -(-context // BLOCK_SIZE)
+    per_seq = -(-max(width, context) // BLOCK_SIZE)
     num_blocks = batch * per_seq + 1
     q = torch.randn((batch, heads, head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn((2, num_blocks, BLOCK_SIZE, kv_heads, head_dim), generator=gen, device="cuda", dtype=q.dtype)
@@ -73,13 +84,14 @@ def decode_inputs(batch: int, heads: int, kv_heads: int, head_dim: int, context:
     return q, kv, tables, seq_lens
 
 
-def sweep_shape(name: str, batch: int, heads: int, kv_heads: int, head_dim: int, context: int, repeats: int) -> dict:
-    q, kv, tables, seq_lens = decode_inputs(batch, heads, kv_heads, head_dim, context)
-    ws = DecodeWorkspace.allocate(batch, heads, head_dim, 32, q.device)
+def sweep_shape(name: str, shape: tuple[int, ...], repeats: int) -> dict:
+    batch, heads, kv_heads, head_dim, context, width = shape
+    q, kv, tables, seq_lens = decode_inputs(batch, heads, kv_heads, head_dim, context, width)
+    ws = DecodeWorkspace.allocate(batch, heads, head_dim, max(SPLITS), q.device)
     out = torch.empty_like(q)
     attend = functools.partial(paged_decode_attention, q, kv, tables, seq_lens, head_dim**-0.5, out, workspace=ws)
     rows = []
-    for tile_n, warps, splits in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (1, 2, 4, 8)):
+    for tile_n, warps, splits in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), SPLITS):
         cfg = DecodeTileConfig(tile_n, warps)
         try:
             us = median_us(functools.partial(attend, num_splits=splits, cfg=cfg), repeats)
@@ -148,13 +160,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--tokens", type=int, default=4000)
     p.add_argument("--out", default=None)
+    p.add_argument("--shapes", nargs="+", choices=list(DECODE_SHAPES), default=list(DECODE_SHAPES))
+    p.add_argument("--no-prefill", action="store_true")
     args = p.parse_args()
     result = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "command": " ".join(sys.argv),
-        "decode": {name: sweep_shape(name, *shape, args.repeats) for name, shape in DECODE_SHAPES.items()},
-        "prefill_us": sdpa_vs_triton_prefill(args.tokens, args.repeats),
+        "decode": {name: sweep_shape(name, DECODE_SHAPES[name], args.repeats) for name in args.shapes},
+        "prefill_us": {} if args.no_prefill else sdpa_vs_triton_prefill(args.tokens, args.repeats),
     }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
