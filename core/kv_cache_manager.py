@@ -218,8 +218,8 @@ class KVCacheManager:
     def cache_full_blocks(self, req: Request) -> None:
         """Offer req's computed full blocks not offered yet to the prefix cache.
 
-        NOTE: only once their KV is written (or its copy is ordered before any later forward pass): a
-        registered block is found by other requests, which read it without recomputing.
+        NOTE: only once their KV is written (a handed-off request's: once its copy is done, Engine.start_adopted):
+        a registered block is found by other requests, which read it without recomputing.
         """
         num_full = req.num_computed_tokens // self.block_size
         if not self.enable_caching or num_full <= req.num_registered_blocks:
