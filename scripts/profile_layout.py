@@ -5,7 +5,8 @@ profiles a worker of N GPUs (one process per rank, rank r on GPU r) and adds it 
 TP-1 profile already at --out (same shape, same GPU), so profile TP 1 first. --chunks adds to it the time of a
 pass computing a chunk of a prompt whose earlier tokens are cached, per chunk size and prefix (a chunk's
 attention reads its prefix: Profile.prefix_cost); --mps 30,50,70 each role's step time at those SM shares under
-MPS over its time with the whole GPU (Profile.slowdown; a prefill at the step budget, a decode step of 64 x 2048);
+MPS over its time with the whole GPU, alone and with the other role running on the rest of it (Profile.slowdown; a
+prefill at the step budget, a decode step of 64 x 2048);
 --handoff the decode GPU's copy of a prompt's KV from the prefill GPU's pool per prompt length (GPU 1 -> GPU 0
 where two are visible, the copy a handed-off request waits for: router/plan/simulate.py DecodeWorker).
 
@@ -338,34 +339,97 @@ def measure_handoff(folder: Path, device: str, grid: Grid, fixed_ms: float) -> d
     return {"fixed_ms": fixed_ms, "ms_per_token": max(0.0, slope), "copy": pair, "points": points}
 
 
-def role_steps(engine: Engine, grid: Grid) -> dict[str, float]:
+def role_steps(engine: Engine, grid: Grid, roles: tuple[str, ...] = ROLES) -> dict[str, float]:
     """A full-budget prefill (ms to its first token) and one grid.mps_decode decode step (ms) of this engine."""
-    return {"prefill": prefill_ms(engine, grid.budget, grid.repeats)["ms"],
-            "decode": decode_ms(engine, *grid.mps_decode, grid.steps)["ms"]}  # fmt: skip
+    steps = {"prefill": lambda: prefill_ms(engine, grid.budget, grid.repeats)["ms"],
+             "decode": lambda: decode_ms(engine, *grid.mps_decode, grid.steps)["ms"]}  # fmt: skip
+    return {role: steps[role]() for role in roles}
 
 
-def measure_mps(shares: list[int], args: argparse.Namespace, scratch: Path) -> dict[str, dict[str, float]]:
+def load(engine: Engine, role: str, grid: Grid, running: Path) -> None:
+    """Run role's work until killed (another process measures beside it): full-budget prefills one after another,
+    or grid.mps_decode's batch decoding (prefilled again when it finishes); touch `running` once it runs."""
+    batch, context = grid.mps_decode
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    if role == "decode":
+        params = SamplingParams(
+            temperature=0.0, max_tokens=engine.config.model.max_model_len - context - 1, ignore_eos=True
+        )
+    for k in itertools.count():
+        n, length = (1, grid.budget) if role == "prefill" else (batch, context)
+        for i in range(n):
+            engine.add_request(f"load-{k}-{i}", prompt(engine, length, i), params)
+        while engine.has_unfinished():
+            engine.step()
+            if role == "prefill" or (len(engine.scheduler.running) == batch and not engine.scheduler.waiting):
+                running.touch()
+        engine.flush_commits()
+
+
+def wait_for(path: Path, timeout_s: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
+def measure_mps(shares: list[int], args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     """Each role's step time at each SM share over its time at 100%: one child process a share (--mps-child), each
     a client of a private MPS daemon (router/placement.py Mps) with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, alone on
-    the GPU. Without MPS (--smoke on CPU) the children run as they are and the factors say nothing."""
+    the GPU; then ("with_other") at each share while a second child runs the other role on the rest of the SMs.
+    Without MPS (--smoke on CPU) the children run as they are and the factors say nothing."""
     mps = Mps(scratch / "mps", (100, 100))
     started = mps.start(dict(os.environ))
     if not started and not args.smoke:
         raise RuntimeError("--mps needs nvidia-cuda-mps-control")
-    times = {}
+    child = MpsChildren(mps if started else None, args, scratch)
     try:
-        for share in (100, *shares):
-            out = scratch / f"mps-{share}.json"
-            client = mps.worker_env("profile", "prefill", os.environ.get("CUDA_VISIBLE_DEVICES")) if started else {}
-            env = os.environ | client | {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)}  # NOTE: GPUs by UUID
-            child = [sys.executable, __file__, "--mps-child", str(out), *(["--smoke"] if args.smoke else [])]
-            subprocess.run([*child, "--shape", args.shape, "--out", args.out], env=env, check=True)
-            times[share] = json.loads(out.read_text())
-            print(f"MPS share {share}%: {times[share]}", flush=True)
+        alone = {share: child.measure(share, ROLES) for share in (100, *shares)}
+        busy = {(role, s): child.measure(s, (role,), beside=100 - s)[role] for s in shares for role in ROLES}
     finally:
         if started:
             mps.stop(dict(os.environ))
-    return {role: {str(s): round(times[s][role] / times[100][role], 4) for s in shares} for role in ROLES}
+    factors = {role: {str(s): round(alone[s][role] / alone[100][role], 4) for s in shares} for role in ROLES}
+    with_other = {role: {str(s): round(busy[role, s] / alone[100][role], 4) for s in shares} for role in ROLES}
+    return factors | {"with_other": with_other}
+
+
+class MpsChildren:
+    """profile_layout.py child processes, each an MPS client at an SM share (--mps-child, --mps-load)."""
+
+    def __init__(self, mps: Mps | None, args: argparse.Namespace, scratch: Path) -> None:
+        self.mps, self.args, self.scratch = mps, args, scratch
+
+    def argv(self, *flags: str) -> list[str]:
+        smoke = ["--smoke"] if self.args.smoke else []
+        return [sys.executable, __file__, *flags, *smoke, "--shape", self.args.shape, "--out", self.args.out]
+
+    def env(self, share: int) -> dict[str, str]:
+        client = self.mps.worker_env("profile", "prefill", os.environ.get("CUDA_VISIBLE_DEVICES")) if self.mps else {}
+        return os.environ | client | {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)}  # NOTE: GPUs by UUID
+
+    def measure(self, share: int, roles: tuple[str, ...], beside: int | None = None) -> dict[str, float]:
+        """roles' step times at `share`; with beside, while the other role's load runs at that share."""
+        out = self.scratch / f"mps-{share}-{'-'.join(roles)}-{beside}.json"
+        flags = ["--mps-child", str(out), "--mps-roles", ",".join(roles)]
+        loader = None
+        if beside is not None:
+            running = self.scratch / f"running-{share}-{roles[0]}"
+            other = next(r for r in ROLES if r not in roles)
+            loader = subprocess.Popen(
+                self.argv("--mps-load", other, "--mps-running", str(running)), env=self.env(beside)
+            )
+            flags += ["--mps-after", str(running)]
+        try:
+            subprocess.run(self.argv(*flags), env=self.env(share), check=True)
+        finally:
+            if loader is not None:
+                loader.kill()
+                loader.wait()
+        times: dict[str, float] = json.loads(out.read_text())
+        print(f"MPS share {share}%{f' beside {beside}%' if beside else ''}: {times}", flush=True)
+        return times
 
 
 def rank_main(rank: int, size: int, folder: str, device: str, grid: Grid, num_blocks: int | None, out: str) -> None:
@@ -409,6 +473,19 @@ def tp1_profile(out: Path, args: argparse.Namespace, gpu: str) -> dict[str, Any]
     return doc
 
 
+def mps_child(args: argparse.Namespace, engine: Engine, grid: Grid) -> int:
+    """A child of measure_mps: the load beside a measurement (--mps-load, until killed), or the measurement."""
+    if args.mps_load:
+        load(engine, args.mps_load, grid, Path(args.mps_running))
+        return 0
+    roles = tuple(args.mps_roles.split(","))
+    if args.mps_after:
+        role_steps(engine, grid, roles)  # NOTE: compiles and allocates before the load runs beside it
+        wait_for(Path(args.mps_after))
+    Path(args.mps_child).write_text(json.dumps(role_steps(engine, grid, roles)))
+    return 0
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="llama-8b", help="a make_bench_model.py shape")
@@ -421,6 +498,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--handoff", action="store_true", help="add the handoff's KV copy per prompt token to --out's "
                    "TP-1 profile (GPU 1 -> GPU 0 where two are visible)")  # fmt: skip
     p.add_argument("--mps-child", default=None, help=argparse.SUPPRESS)  # NOTE: one share's run (measure_mps)
+    p.add_argument("--mps-roles", default=",".join(ROLES), help=argparse.SUPPRESS)  # NOTE: what --mps-child times
+    p.add_argument("--mps-after", default=None, help=argparse.SUPPRESS)  # NOTE: --mps-child waits for this file
+    p.add_argument("--mps-load", default=None, choices=ROLES, help=argparse.SUPPRESS)  # NOTE: a load until killed
+    p.add_argument("--mps-running", default=None, help=argparse.SUPPRESS)  # NOTE: --mps-load touches it
     p.add_argument("--max-model-len", type=int, default=None, help="recorded for the planner (default: the shape's)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (default: sized from free memory)")
     p.add_argument("--out", required=True, help="write the profile here (--tp > 1: the TP-1 profile to add to)")
@@ -456,7 +537,8 @@ def main() -> int:
         if adding and args.tp > 1:
             raise ValueError(f"{adding[1]} measures TP 1 (the planner applies it to a TP worker): drop --tp")
         shares = mps_shares(args.mps) if args.mps else []
-        base = tp1_profile(out, args, gpu) if (args.tp > 1 or adding) and not args.mps_child else None
+        child = args.mps_child or args.mps_load
+        base = tp1_profile(out, args, gpu) if (args.tp > 1 or adding) and not child else None
     except ValueError as exc:
         print(f"profile_layout.py: {exc}", file=sys.stderr)
         return 2
@@ -465,10 +547,8 @@ def main() -> int:
     scratch = Path(tempfile.mkdtemp(prefix="profile_layout_"))
     folder = write_model(args.shape, scratch, dict(TINY) if args.smoke else {})
     num_blocks = args.num_blocks or (256 if args.smoke else None)
-    if args.mps_child:
-        engine = make_engine(folder, device, grid, num_blocks, ParallelConfig())
-        Path(args.mps_child).write_text(json.dumps(role_steps(engine, grid)))
-        return 0
+    if args.mps_child or args.mps_load:
+        return mps_child(args, make_engine(folder, device, grid, num_blocks, ParallelConfig()), grid)
     if args.chunks:
         costs = measure_chunks(folder, device, grid, num_blocks)
     elif args.mps:

@@ -61,13 +61,16 @@ class Profile:
     handoff_fixed_ms: float = 1.0
     """Prefill -> decode handoff of a request: fixed part (its messages)."""
     handoff_ms_per_token: float = 0.0
-    """Handoff: part per prompt token, the decode GPU's copy of the KV (which holds up the decode worker's next
-    step: simulate.DecodeWorker)."""
+    """Handoff: part per prompt token, the decode GPU's copy of the KV (the request joins the batch after it:
+    simulate.DecodeWorker)."""
     model: Mapping[str, Any] = field(default_factory=dict)
     """What was profiled (shape name, dtype, max_model_len, ...), for the report."""
     mps_slowdown: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
-    """Measured step-time factor of a role ("prefill", "decode") at an MPS SM share in percent; where missing,
-    1 / share (exact for compute-bound steps, pessimistic for memory-bound decode steps)."""
+    """Measured step-time factor of a role ("prefill", "decode") at an MPS SM share in percent, alone on the GPU;
+    where missing, 1 / share (exact for compute-bound steps, pessimistic for memory-bound decode steps)."""
+    mps_with_other: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    """The same factor while the other role runs on the rest of the GPU (its SMs and memory bandwidth busy);
+    where measured, it stands for the role on a shared GPU."""
     chunk_points: tuple[tuple[int, int, float], ...] = ()
     """(tokens, prefix, ms): one pass of a `tokens`-token piece of a prompt whose first `prefix` tokens are cached
     (profile_layout.py --chunks, at TP 1; every chunk size has prefix 0); () when not profiled."""
@@ -123,9 +126,15 @@ class Profile:
         return interpolate(self.decode_contexts, per_context, context)
 
     def slowdown(self, role: str, sm_share: float) -> float:
-        """Factor on a role's step times when its worker runs on sm_share (0-1] of the GPU's SMs."""
+        """Factor on a role's step times when its worker runs on sm_share (0-1] of the GPU's SMs, the rest of it
+        another role's worker: measured with that worker busy where the profile has it (its nearest shares
+        between), else measured alone."""
         if sm_share >= 1.0:
             return 1.0
+        busy = self.mps_with_other.get(role, {})
+        if busy:
+            shares = sorted(busy)
+            return interpolate([s / 100 for s in shares], [busy[s] for s in shares], sm_share)
         measured = self.mps_slowdown.get(role, {})
         if not measured:
             return 1.0 / sm_share
@@ -158,8 +167,8 @@ class Profile:
             handoff_fixed_ms=float(handoff.get("fixed_ms", 1.0)),
             handoff_ms_per_token=float(handoff.get("ms_per_token", 0.0)),
             model=dict(data.get("model", {})),
-            mps_slowdown={role: {int(k): float(v) for k, v in by.items()}
-                          for role, by in data.get("mps_slowdown", {}).items() if role in ROLES},
+            mps_slowdown=_by_role(data.get("mps_slowdown", {})),
+            mps_with_other=_by_role(data.get("mps_slowdown", {}).get("with_other", {})),
             chunk_points=chunk_points(data.get("chunks", {}).get("points", [])),
             tp_size=tp_size, by_tp=by_tp,
         )  # fmt: skip
@@ -183,7 +192,9 @@ class Profile:
             "decode": {"points": decode},
             "kv_capacity_tokens": self.kv_capacity_tokens,
             "handoff": {"fixed_ms": self.handoff_fixed_ms, "ms_per_token": self.handoff_ms_per_token},
-            "mps_slowdown": {role: {str(k): v for k, v in by.items()} for role, by in self.mps_slowdown.items()},
+            "mps_slowdown": {role: {str(k): v for k, v in by.items()} for role, by in self.mps_slowdown.items()}
+            | ({"with_other": {role: {str(k): v for k, v in by.items()} for role, by in self.mps_with_other.items()}}
+               if self.mps_with_other else {}),
             **({"chunks": {"points": [{"tokens": c, "prefix": p, "ms": ms} for c, p, ms in self.chunk_points]}}
                if self.chunk_points else {}),
         } | self._tp_json()  # fmt: skip
@@ -200,6 +211,11 @@ class Profile:
     def decode_tokens_per_s(self, batch: int, context: float) -> float:
         """Output tokens a second at this batch and context (the decode side's ceiling there)."""
         return batch / max(self.decode_time(batch, context), 1e-9) * 1e3
+
+
+def _by_role(section: Mapping[str, Any]) -> dict[str, dict[int, float]]:
+    """An MPS section's factors per role and share (its other keys, e.g. the command, left out)."""
+    return {role: {int(k): float(v) for k, v in by.items()} for role, by in section.items() if role in ROLES}
 
 
 def chunk_points(points: Sequence[Mapping[str, Any]]) -> tuple[tuple[int, int, float], ...]:

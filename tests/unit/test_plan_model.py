@@ -47,6 +47,11 @@ def test_profile_round_trips_and_rejects_a_grid_with_holes() -> None:
     assert profile.prefill_time(1000) == pytest.approx(5 + 10)
     assert profile.slowdown("decode", 0.5) == 1.25 and profile.slowdown("prefill", 0.5) == 2.0
     assert profile.slowdown("decode", 1.0) == 1.0
+    busy = Profile.from_json(DECODE_BOUND | {"mps_slowdown": {"decode": {"50": 1.25}, "with_other": {
+        "decode": {"30": 2.5, "70": 1.5}}}})  # fmt: skip
+    assert Profile.from_json(busy.to_json()) == busy
+    assert busy.slowdown("decode", 0.5) == pytest.approx(2.0)  # measured with the other role busy: it stands
+    assert busy.slowdown("prefill", 0.5) == 2.0 and busy.slowdown("decode", 1.0) == 1.0
     holes = dict(DECODE_BOUND, decode={"points": DECODE_BOUND["decode"]["points"][:-1]})
     with pytest.raises(ValueError, match="every batch x context"):
         Profile.from_json(holes)

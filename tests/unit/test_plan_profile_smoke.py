@@ -89,8 +89,9 @@ def test_smoke_chunks_add_each_chunk_sizes_passes_by_prefix(tmp_path: Path) -> N
     assert all(ms > 0 for _, _, ms in points)
 
 
-def test_smoke_mps_adds_each_roles_slowdown_per_share(tmp_path: Path) -> None:
-    """On CPU there is no MPS: the children run as they are, so this checks the flow and the section, not factors."""
+def test_smoke_mps_adds_each_roles_slowdown_per_share_alone_and_beside_the_other(tmp_path: Path) -> None:
+    """On CPU there is no MPS: the children run as they are (the load beside a measurement too), so this checks the
+    flow and the section, not factors."""
     out = tmp_path / "profile.json"
     refused = run_smoke(tmp_path, out, "--mps", "50")
     assert refused.returncode == 2 and "--mps adds to the TP-1 profile" in refused.stderr and not out.exists()
@@ -105,10 +106,13 @@ def test_smoke_mps_adds_each_roles_slowdown_per_share(tmp_path: Path) -> None:
     assert {k: v for k, v in doc.items() if k != "mps_slowdown"} == one
     assert "--mps 30,50" in doc["mps_slowdown"]["command"]
     assert [line.split(":")[0] for line in proc.stdout.splitlines() if line.startswith("MPS share")] == [
-        "MPS share 100%", "MPS share 30%", "MPS share 50%"]  # fmt: skip
-    slowdown = Profile.read(out).mps_slowdown
-    assert set(slowdown) == {"prefill", "decode"} and all(set(by) == {30, 50} for by in slowdown.values())
-    assert all(factor > 0 for by in slowdown.values() for factor in by.values())
+        "MPS share 100%", "MPS share 30%", "MPS share 50%", "MPS share 30% beside 70%", "MPS share 30% beside 70%",
+        "MPS share 50% beside 50%", "MPS share 50% beside 50%"]  # fmt: skip
+    profile = Profile.read(out)
+    for factors in (profile.mps_slowdown, profile.mps_with_other):  # alone; with the other role's load beside
+        assert set(factors) == {"prefill", "decode"} and all(set(by) == {30, 50} for by in factors.values())
+        assert all(factor > 0 for by in factors.values() for factor in by.values())
+    assert profile.slowdown("decode", 0.5) == profile.mps_with_other["decode"][50]
 
 
 def test_smoke_handoff_adds_the_kv_copy_per_prompt_token(tmp_path: Path) -> None:
