@@ -71,12 +71,9 @@ def _id_list(ids: TokenIds) -> list[int]:
 
 
 def _adopted_request(request_id: str, ids: TokenIds, num_prompt_tokens: int, sampling: SamplingState) -> Request:
-    """A handed-off request, adopted (not yet running): its list of ids, and all but its last id (the token its
-    first pass reads) as its array."""
-    return Request(
-        request_id, _id_list(ids), num_prompt_tokens, sampling, status=RequestStatus.ADOPTED,
-        token_array=_int64_array(ids[:-1]),
-    )  # fmt: skip
+    """A handed-off request: its list of ids, and all but its last id (the token its first pass reads) as its
+    array."""
+    return Request(request_id, _id_list(ids), num_prompt_tokens, sampling, token_array=_int64_array(ids[:-1]))
 
 
 def _entries(logprobs: TokenLogprobs | None, batch: int) -> list[TokenLogprob | None]:
@@ -138,14 +135,17 @@ class Engine:
         self.sampler = Sampler(self.runner.device)
         self.stats = EngineStats()
         self.requests: dict[str, Request] = {}
-        self.num_adopted = 0
-        """Requests adopted and not started yet (their KV is being copied in)."""
         self._in_flight: InFlightStep | None = None
         pin = self.runner.device.type == "cuda"
         # NOTE: two host buffers: a launch must not overwrite the tokens of the step still to be read
         rows = config.scheduler.max_num_seqs
         self._host_tokens = [torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in "ab"]
         self._host_logprobs = HostLogprobs(rows, pin)
+
+    @property
+    def num_adopted(self) -> int:
+        """Requests adopted and not started yet (their KV is being copied in)."""
+        return self.scheduler.num_adopted
 
     @property
     def num_forward_calls(self) -> int:
@@ -243,7 +243,7 @@ class Engine:
         num_full = (len(token_ids) - 1) // self.config.cache.block_size
         if block_hashes and len(block_hashes) != num_full:
             raise InvalidRequestError(f"{len(block_hashes)} block hashes for {num_full} full blocks")
-        if len(self.scheduler.running) + self.num_adopted >= self.config.scheduler.max_num_seqs:
+        if self.scheduler.num_seqs() >= self.config.scheduler.max_num_seqs:
             return None
         req = _adopted_request(request_id, token_ids, num_prompt_tokens, sampling)
         if self.kv.enable_caching:
@@ -252,7 +252,7 @@ class Engine:
         if num_shared is None:
             return None
         self.requests[request_id] = req
-        self.num_adopted += 1
+        self.scheduler.adopt(req)
         return Adoption(req.block_ids[num_shared:], num_shared)
 
     def computed_block_hashes(self, req: Request) -> list[int]:
@@ -266,11 +266,7 @@ class Engine:
         """Schedule an adopted request whose KV copy has finished (it decodes from the next step on), and offer
         its copied full blocks to the prefix cache, so later handoffs and prompts share them."""
         req = self.requests[request_id]
-        if req.status is not RequestStatus.ADOPTED:
-            raise ValueError(f"request {request_id!r} is {req.status.value}, not adopted")
-        req.status = RequestStatus.RUNNING
-        self.num_adopted -= 1
-        self.scheduler.running.append(req)
+        self.scheduler.start_adopted(req)
         self.kv.cache_full_blocks(req)
 
     def has_unfinished(self) -> bool:
@@ -282,7 +278,6 @@ class Engine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self.num_adopted -= req.status is RequestStatus.ADOPTED
         self.scheduler.finish(req, "abort")
         self.kv.flush()
         return self._output(req, [])

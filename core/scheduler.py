@@ -51,6 +51,9 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_adopted = 0
+        """Requests adopted and not started (their KV is being copied in): they hold blocks and count toward
+        max_num_seqs, but are not scheduled."""
         self._prefilling: dict[bytes, Request] = {}  # prompt token ids (ids_key) -> the request computing them
 
     def add(self, req: Request) -> None:
@@ -58,6 +61,21 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def num_seqs(self) -> int:
+        """Sequences counted against max_num_seqs: the running and the adopted ones."""
+        return len(self.running) + self.num_adopted
+
+    def adopt(self, req: Request) -> None:
+        req.status = RequestStatus.ADOPTED
+        self.num_adopted += 1
+
+    def start_adopted(self, req: Request) -> None:
+        if req.status is not RequestStatus.ADOPTED:
+            raise ValueError(f"request {req.request_id!r} is {req.status.value}, not adopted")
+        self.num_adopted -= 1
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def schedule(self) -> StepPlan:
         if self._prefilling:
@@ -92,7 +110,7 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         held: list[Request] = []  # NOTE: copies of a prompt still being prefilled; they keep their queue places
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and self.num_seqs() < self.config.max_num_seqs:
             req = self.waiting[0]
             if budget <= 0:
                 break
@@ -141,6 +159,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+        elif req.status is RequestStatus.ADOPTED:
+            self.num_adopted -= 1
         self.kv.defer_free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

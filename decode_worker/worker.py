@@ -311,6 +311,7 @@ class DecodeWorker(WorkerBase):
             handle = self._pull(cmd, dst)
         except Exception as exc:
             log.exception("KV pull from prefill worker %d failed", cmd.prefill_worker)
+            self._settle_copies()  # NOTE: a segment enqueued before the failure may still write the blocks
             self.engine.abort(cmd.request_id)  # NOTE: its blocks were never cached, so no hash keeps garbage
             self._fail_transfer(cmd, exc)
             return True
@@ -326,6 +327,11 @@ class DecodeWorker(WorkerBase):
         else:
             self.copying[cmd.request_id] = _Copying(handle, cmd)
         return True
+
+    def _settle_copies(self) -> None:
+        """Wait for every copy queued on our GPU (a failure path: the blocks of a pull that raised go back)."""
+        if self.kv_pool is not None and self.kv_pool.device.type == "cuda":
+            torch.cuda.synchronize(self.kv_pool.device)
 
     def _fail_transfer(self, cmd: HandoffCmd, exc: Exception) -> None:
         """cmd's blocks cannot come here: the router migrates the request; its lease goes back unless stale."""

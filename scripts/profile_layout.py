@@ -52,6 +52,7 @@ from pdserve.core import parallel
 from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, kv_pool_shape
 from pdserve.core.engine import Engine
 from pdserve.core.parallel import ParallelConfig
+from pdserve.core.rank_group import die_with_leader
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.scheduler import StepPlan
 from pdserve.router.placement import Mps
@@ -348,22 +349,39 @@ def role_steps(engine: Engine, grid: Grid, roles: tuple[str, ...] = ROLES) -> di
 
 def load(engine: Engine, role: str, grid: Grid, running: Path) -> None:
     """Run role's work until killed (another process measures beside it): full-budget prefills one after another,
-    or grid.mps_decode's batch decoding (prefilled again when it finishes); touch `running` once it runs."""
+    or grid.mps_decode's decode step over and over (its CUDA graph replayed; on CPU the batch decoding, prefilled
+    again when it finishes); touch `running` once it runs."""
+    die_with_leader()  # NOTE: never outlive measure_mps, whatever ends it
+    if role == "prefill":
+        one = SamplingParams(temperature=0.0, max_tokens=1)
+        for k in itertools.count():
+            engine.add_request(f"load-{k}", prompt(engine, grid.budget, k), one)
+            while not engine.step():
+                pass
+            engine.flush_commits()
+            running.touch()
     batch, context = grid.mps_decode
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    if role == "decode":
-        params = SamplingParams(
-            temperature=0.0, max_tokens=engine.config.model.max_model_len - context - 1, ignore_eos=True
-        )
+    budget = engine.config.scheduler.max_num_batched_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=output_budget(batch, context, 0, budget), ignore_eos=True)
+    graphs = engine.runner.graphs
     for k in itertools.count():
-        n, length = (1, grid.budget) if role == "prefill" else (batch, context)
-        for i in range(n):
-            engine.add_request(f"load-{k}-{i}", prompt(engine, length, i), params)
+        for i in range(batch):
+            engine.add_request(f"load-{k}-{i}", prompt(engine, context, i), params)
         while engine.has_unfinished():
             engine.step()
-            if role == "prefill" or (len(engine.scheduler.running) == batch and not engine.scheduler.waiting):
+            if len(engine.scheduler.running) == batch and not engine.scheduler.waiting:
                 running.touch()
+                while graphs is not None and batch <= graphs.max_size:
+                    graphs.replay(batch)
         engine.flush_commits()
+
+
+def mps_num_blocks(grid: Grid, block_size: int) -> int:
+    """KV blocks of a --mps child: the decode point's batch with its output budget, and a full-budget prompt (two
+    engines share the GPU, so neither sizes its pool from free memory)."""
+    batch, context = grid.mps_decode
+    tokens = context + output_budget(batch, context, grid.steps, grid.budget)
+    return batch * -(-tokens // block_size) + -(-grid.budget // block_size) + 16
 
 
 def wait_for(path: Path, timeout_s: float = 900.0) -> None:
@@ -374,7 +392,7 @@ def wait_for(path: Path, timeout_s: float = 900.0) -> None:
         time.sleep(0.05)
 
 
-def measure_mps(shares: list[int], args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+def measure_mps(shares: list[int], args: argparse.Namespace, scratch: Path, grid: Grid) -> dict[str, Any]:
     """Each role's step time at each SM share over its time at 100%: one child process a share (--mps-child), each
     a client of a private MPS daemon (router/placement.py Mps) with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, alone on
     the GPU; then ("with_other") at each share while a second child runs the other role on the rest of the SMs.
@@ -383,7 +401,8 @@ def measure_mps(shares: list[int], args: argparse.Namespace, scratch: Path) -> d
     started = mps.start(dict(os.environ))
     if not started and not args.smoke:
         raise RuntimeError("--mps needs nvidia-cuda-mps-control")
-    child = MpsChildren(mps if started else None, args, scratch)
+    num_blocks = args.num_blocks or mps_num_blocks(grid, CacheConfig().block_size)
+    child = MpsChildren(mps if started else None, args, scratch, num_blocks)
     try:
         alone = {share: child.measure(share, ROLES) for share in (100, *shares)}
         busy = {(role, s): child.measure(s, (role,), beside=100 - s)[role] for s in shares for role in ROLES}
@@ -398,12 +417,13 @@ def measure_mps(shares: list[int], args: argparse.Namespace, scratch: Path) -> d
 class MpsChildren:
     """profile_layout.py child processes, each an MPS client at an SM share (--mps-child, --mps-load)."""
 
-    def __init__(self, mps: Mps | None, args: argparse.Namespace, scratch: Path) -> None:
-        self.mps, self.args, self.scratch = mps, args, scratch
+    def __init__(self, mps: Mps | None, args: argparse.Namespace, scratch: Path, num_blocks: int) -> None:
+        self.mps, self.args, self.scratch, self.num_blocks = mps, args, scratch, num_blocks
 
     def argv(self, *flags: str) -> list[str]:
         smoke = ["--smoke"] if self.args.smoke else []
-        return [sys.executable, __file__, *flags, *smoke, "--shape", self.args.shape, "--out", self.args.out]
+        shape = ["--shape", self.args.shape, "--num-blocks", str(self.num_blocks), "--out", self.args.out]
+        return [sys.executable, __file__, *flags, *smoke, *shape]
 
     def env(self, share: int) -> dict[str, str]:
         client = self.mps.worker_env("profile", "prefill", os.environ.get("CUDA_VISIBLE_DEVICES")) if self.mps else {}
@@ -421,12 +441,19 @@ class MpsChildren:
                 self.argv("--mps-load", other, "--mps-running", str(running)), env=self.env(beside)
             )
             flags += ["--mps-after", str(running)]
+        measuring = subprocess.Popen(self.argv(*flags), env=self.env(share))
         try:
-            subprocess.run(self.argv(*flags), env=self.env(share), check=True)
+            while measuring.poll() is None and (loader is None or loader.poll() is None):
+                time.sleep(0.1)
+            if loader is not None and loader.poll() is not None:  # NOTE: a measurement without its load is void
+                raise RuntimeError(f"the {other} load beside the measurement exited ({loader.returncode})")
+            if measuring.returncode:
+                raise subprocess.CalledProcessError(measuring.returncode, measuring.args)
         finally:
-            if loader is not None:
-                loader.kill()
-                loader.wait()
+            for proc in (measuring, loader):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
         times: dict[str, float] = json.loads(out.read_text())
         print(f"MPS share {share}%{f' beside {beside}%' if beside else ''}: {times}", flush=True)
         return times
@@ -552,7 +579,7 @@ def main() -> int:
     if args.chunks:
         costs = measure_chunks(folder, device, grid, num_blocks)
     elif args.mps:
-        costs = measure_mps(shares, args, scratch)
+        costs = measure_mps(shares, args, scratch, grid)
     elif args.handoff:
         assert base is not None
         costs = measure_handoff(folder, device, grid, float(base.get("handoff", {}).get("fixed_ms", 1.0)))

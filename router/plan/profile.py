@@ -132,9 +132,10 @@ class Profile:
         if sm_share >= 1.0:
             return 1.0
         busy = self.mps_with_other.get(role, {})
-        if busy:
+        if busy:  # NOTE: held at the nearest measured share beyond either end (no line through 100%: busy there too)
             shares = sorted(busy)
-            return interpolate([s / 100 for s in shares], [busy[s] for s in shares], sm_share)
+            share = min(max(sm_share, shares[0] / 100), shares[-1] / 100)
+            return max(1.0, interpolate([s / 100 for s in shares], [busy[s] for s in shares], share))
         measured = self.mps_slowdown.get(role, {})
         if not measured:
             return 1.0 / sm_share

@@ -10,8 +10,9 @@ handoff's are the top level's, whatever the TP sizes on either side.
 - Decode worker: continuous batching. A step runs every running sequence and lasts decode_time(batch, mean
   context) x slowdown; a waiting request joins at a step boundary while the batch is under max_num_seqs and its KV
   (prompt + output tokens) fits the worker's capacity; then its pull (the handoff's per-token part, the copy of
-  its KV) runs beside the steps, holding its KV room, and it joins the batch at the first step boundary after the
-  copy is done, as pdserve's decode worker starts an adopted request (decode_worker/worker.py).
+  its KV) runs beside the steps, after the pulls before it (one copy stream), holding its KV room, and it joins the
+  batch at the first step boundary after the copy is done, as pdserve's decode worker starts an adopted request
+  (decode_worker/worker.py).
 - Colocated worker: each step runs the decodes plus up to `chunk - decodes` prompt tokens (chunked prefill,
   decodes first as pdserve's scheduler does); a mixed step lasts the decode step plus the chunk's marginal
   prefill cost, decode_time(B, ctx) + prefill_time(c + B) - prefill_time(B) (one forward pass reads the weights
@@ -187,6 +188,8 @@ class DecodeWorker:
         self.now = 0.0
         self.copying: list[tuple[float, SimRequest]] = []
         """Admitted requests whose KV is being copied in, with the time the copy is done."""
+        self.copies_done = 0.0
+        """When the last copy issued is done (the next one starts after it)."""
 
     @property
     def load(self) -> float:
@@ -220,7 +223,8 @@ class DecodeWorker:
                 break
             batch.kv_used += need
             req = self.waiting.popleft()
-            self.copying.append((self.now + self.cost.pull(req.prompt_len), req))
+            self.copies_done = max(self.now, self.copies_done) + self.cost.pull(req.prompt_len)
+            self.copying.append((self.copies_done, req))
 
 
 class ColocatedWorker:

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.core import kv_cache_manager
 from pdserve.core.block_pool import hash_full_blocks
-from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig
+from pdserve.core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pdserve.core.engine import Engine
 from pdserve.core.errors import InvalidRequestError
 from pdserve.core.sampler import SamplingState
@@ -88,3 +88,29 @@ def test_a_handoff_carries_its_block_hashes_and_the_decode_engine_hashes_nothing
     got = decode.generate([other], PARAMS)
     assert decode.stats.num_cached_prompt_tokens == 4 * bs
     assert got == Engine(cfg).generate([other], PARAMS)
+
+
+def test_adopted_requests_count_toward_max_num_seqs_until_they_start(tiny_llama_dir: Path) -> None:
+    """A request adopted while its KV is copied holds a seat: a prompt queued meanwhile waits for one (it would
+    otherwise join the batch, and the adopted request's start would overflow it), and so does another handoff."""
+    model = ModelConfig.from_pretrained(tiny_llama_dir)
+    cfg = EngineConfig(model, CacheConfig(num_blocks=64), SchedulerConfig(max_num_seqs=2))
+    prefill, decode = Engine(cfg), Engine(cfg)
+    a, b, c = random_prompts(1024, (20, 21, 22), seed=13)
+    decode.add_request("running", a, PARAMS)
+    decode.step()
+    prefill.add_request("h", b, PARAMS)
+    prefill.step()
+    req = prefill.detach("h")
+    sampling = SamplingState(req.sampling.params, req.sampling.eos_token_ids, req.sampling.num_generated)
+    assert decode.adopt("h", req.token_ids, req.num_prompt_tokens, sampling) is not None
+    assert decode.adopt("h2", req.token_ids, req.num_prompt_tokens, sampling) is None  # 1 running + 1 adopted
+    decode.add_request("late", c, PARAMS)
+    for _ in range(3):
+        decode.step()
+        assert [r.request_id for r in decode.scheduler.running] == ["running"] and decode.num_adopted == 1
+    decode.start_adopted("h")
+    assert decode.num_adopted == 0 and len(decode.scheduler.running) == 2 and decode.scheduler.waiting
+    decode.abort("h")
+    decode.step()
+    assert {r.request_id for r in decode.scheduler.running} == {"running", "late"}

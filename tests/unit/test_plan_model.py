@@ -51,6 +51,7 @@ def test_profile_round_trips_and_rejects_a_grid_with_holes() -> None:
         "decode": {"30": 2.5, "70": 1.5}}}})  # fmt: skip
     assert Profile.from_json(busy.to_json()) == busy
     assert busy.slowdown("decode", 0.5) == pytest.approx(2.0)  # measured with the other role busy: it stands
+    assert busy.slowdown("decode", 0.9) == 1.5 and busy.slowdown("decode", 0.1) == 2.5  # held beyond the ends
     assert busy.slowdown("prefill", 0.5) == 2.0 and busy.slowdown("decode", 1.0) == 1.0
     holes = dict(DECODE_BOUND, decode={"points": DECODE_BOUND["decode"]["points"][:-1]})
     with pytest.raises(ValueError, match="every batch x context"):
@@ -237,3 +238,15 @@ def test_a_handoffs_kv_copy_runs_beside_the_decode_steps_and_delays_only_its_req
         joins[name] = late.first_step
     assert gaps["copy"] == gaps["free"] == pytest.approx((10 + 0.5 * 2) / 1e3)  # NOTE: a step at batch 2
     assert joins["copy"] == joins["free"] + 1
+
+
+def test_handoff_copies_run_one_after_another() -> None:
+    """Three requests handed off at once: their copies (12 ms each) queue on the decode GPU's one copy stream, so
+    the third joins after 36 ms of copying, not 12."""
+    doc = json.loads(json.dumps(DECODE_BOUND))
+    doc["handoff"] = {"fixed_ms": 0.0, "ms_per_token": 0.012}  # 1000 tokens: 12 ms
+    reqs = [SimRequest(0.0, 1000, 3) for _ in range(3)]
+    simulate(disaggregated(1, 1, 2, (50, 50)), StepCost(Profile.from_json(doc)), reqs, SimConfig())
+    first_decode = [r.step_ends[r.first_step] - r.first_token for r in reqs if r.step_ends is not None]
+    assert len(first_decode) == 3 and first_decode == sorted(first_decode)
+    assert first_decode[2] > 0.036 > first_decode[0]
