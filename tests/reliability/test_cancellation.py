@@ -37,6 +37,10 @@ EARLY_CANCEL_S = (0.005, 0.05)
 """Early cancels land 5..50 ms after sending: queued, prefilling or in handoff. Not sooner: a call cancelled
 before its request left the client never reaches the router, which then has nothing to count (1 of 100 such
 calls in a CI-like run with cancels from 0 ms)."""
+EARLY_MIN_TOKENS = 100
+"""An early-cancelled call asks for at least this many tokens, so its stream cannot finish before the cancel lands:
+one that finished just before it would end OK at the router and CANCELLED at a client that had not read the
+final response yet (seen once in a CI run on a loaded 2-core machine)."""
 FREE_BOUND_S = 1.0
 """The issue's bound: every block back in its pool within this long after the wave's last cancel."""
 CALL_TIMEOUT_S = 30.0
@@ -70,8 +74,8 @@ def plans(rng: random.Random, wave: int) -> list[Plan]:
     prompts = random_prompts(TINY_LLAMA_VOCAB_SIZE, lengths, seed=100 + wave)
     out = []
     for i, prompt in enumerate(prompts):
-        max_tokens = rng.randint(1, MAX_NEW_TOKENS)
         early = rng.random() < 0.5
+        max_tokens = rng.randint(EARLY_MIN_TOKENS if early else 1, MAX_NEW_TOKENS)
         delay = rng.uniform(*EARLY_CANCEL_S) if early else None
         out.append(Plan(f"cancel-{wave}-{i}", prompt, max_tokens, delay, rng.randint(1, max(1, max_tokens // 2))))
     return out
