@@ -544,7 +544,11 @@ def measure_part(ctx: Context, cluster: Cluster, result: dict[str, Any]) -> None
         reports[name] = run.report
         return run.report
 
-    result["greedy"] = greedy_logprobs(address, equality_prompts(setup), ctx.deadline.limit(setup.load_timeout_s))
+    try:
+        result["greedy"] = greedy_logprobs(address, equality_prompts(setup), ctx.deadline.limit(setup.load_timeout_s))
+    except grpc.RpcError as exc:  # NOTE: a stream that ran out of the time left ends the part, not the run
+        kind = DeadlineExceeded if ctx.deadline.passed() else PartFailed
+        raise kind(f"greedy streams: {type(exc).__name__}: {str(exc)[:300]}") from None
     if result["part"] == "whole":
         return  # NOTE: the reference of the tokens only
     load("warmup", setup.warmup)
