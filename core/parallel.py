@@ -24,7 +24,7 @@ from typing import Literal, NamedTuple
 import torch
 import torch.distributed as dist
 
-from pdserve.kernels.allreduce_norm import PeerRows
+from pdserve.kernels.allreduce_norm import PROGRAMS, SLOTS, PeerRows, all_reduce_rms_norm, fill_sentinel, triton
 from pdserve.kernels.triton_utils import use_pdl
 
 log = logging.getLogger(__name__)
@@ -123,8 +123,6 @@ class FusedAllReduceNorm:
                  device: torch.device) -> None:  # fmt: skip
         import torch.distributed._symmetric_memory as symm_mem
 
-        from pdserve.kernels.allreduce_norm import PROGRAMS, SLOTS, PeerRows, fill_sentinel, triton
-
         if triton is None:
             raise RuntimeError("the fused all-reduce + RMSNorm needs triton")
         self.rank, self.rows, self.hidden, self.dtype = rank, rows, hidden, dtype
@@ -149,8 +147,6 @@ class FusedAllReduceNorm:
     def __call__(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, pushed: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from pdserve.kernels.allreduce_norm import all_reduce_rms_norm
-
         return all_reduce_rms_norm(
             x, residual, weight, eps, self.buffer_ptrs, self.slot_rows, self.epochs, self.rows, self.rank, pushed,
             use_pdl(x),

@@ -336,9 +336,7 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(2) == 1, "out must be [batch, num_heads, head_dim], last dim contiguous"
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_blocks * block_size, device_num_sms(q.device))
-        if workspace is not None:
-            num_splits = min(num_splits, workspace.max_splits)
+        num_splits = _default_splits(q, num_kv_heads, max_blocks * block_size, workspace)
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     if batch == 0:
         return out
@@ -375,6 +373,12 @@ def paged_decode_attention(
     if split:
         _merge_splits(part_out, part_lse, out, num_splits, pdl)
     return out
+
+
+def _default_splits(q: torch.Tensor, num_kv_heads: int, max_context: int, workspace: DecodeWorkspace | None) -> int:
+    """choose_num_splits for q's batch on q's device, capped at the workspace's max_splits when one is given."""
+    num_splits = choose_num_splits(q.shape[0], num_kv_heads, max_context, device_num_sms(q.device))
+    return num_splits if workspace is None else min(num_splits, workspace.max_splits)
 
 
 def _split_buffers(

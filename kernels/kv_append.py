@@ -131,6 +131,24 @@ def _append_kv(
         tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+def _slots(
+    num_tokens: int,
+    slot_mapping: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    block_tables: torch.Tensor | None,
+    rope: bool,
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """How _append_kv finds each token's slot: (MODE, its index tensor, its tables tensor); 0: slot_mapping, 1:
+    positions (one a token) into block_tables, 2: one shared position."""
+    if slot_mapping is not None:
+        assert not rope or (positions is not None and positions.shape == (num_tokens,)), "rope needs positions"
+        return 0, slot_mapping, slot_mapping
+    assert positions is not None and block_tables is not None, "give slot_mapping, or positions and block_tables"
+    assert block_tables.dtype == torch.int32 and block_tables.shape[0] >= num_tokens
+    assert positions.numel() in (1, num_tokens), "positions: one per token, or one shared"
+    return (1 if positions.numel() == num_tokens else 2), positions, block_tables
+
+
 def append_kv(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -152,15 +170,7 @@ def append_kv(
     assert v.shape == k.shape and (cache_heads, cache_dim) == (num_kv_heads, head_dim), "k/v/cache shapes differ"
     assert k.stride(2) == 1 and v.stride(2) == 1 and kv_cache.stride(4) == 1, "head_dim must be contiguous"
     assert kv_cache.stride(3) == head_dim and kv_cache.stride(2) == num_kv_heads * head_dim, "cache slots not packed"
-    if slot_mapping is not None:
-        mode, index, tables = 0, slot_mapping, slot_mapping
-        assert rope is None or (positions is not None and positions.shape == (num_tokens,)), "rope needs positions"
-    else:
-        assert positions is not None and block_tables is not None, "give slot_mapping, or positions and block_tables"
-        assert block_tables.dtype == torch.int32 and block_tables.shape[0] >= num_tokens
-        assert positions.numel() in (1, num_tokens), "positions: one per token, or one shared"
-        mode = 1 if positions.numel() == num_tokens else 2
-        index, tables = positions, block_tables
+    mode, index, tables = _slots(num_tokens, slot_mapping, positions, block_tables, rope is not None)
     k_out, q_out = k, None
     if rope is not None:
         check_tables(rope, head_dim, k.dtype)

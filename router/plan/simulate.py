@@ -156,6 +156,19 @@ class BatchState:
     step: int = 0
     step_ends: list[float] = field(default_factory=list)
 
+    def admit(
+        self, waiting: deque[SimRequest], num_admitted: int, max_num_seqs: int, kv_capacity: int
+    ) -> SimRequest | None:
+        """The head of waiting, popped with its KV (prompt + output) reserved, if it fits beside the running and
+        num_admitted other admitted requests (the first always fits); else None."""
+        if not waiting or self.num_running + num_admitted >= max_num_seqs:
+            return None
+        need = waiting[0].prompt_len + waiting[0].output_len
+        if (self.num_running or num_admitted) and self.kv_used + need > kv_capacity:
+            return None
+        self.kv_used += need
+        return waiting.popleft()
+
     def start(self, req: SimRequest, first_step: int) -> None:
         """req decodes from first_step on (its first token already out)."""
         req.step_ends, req.first_step = self.step_ends, first_step
@@ -216,13 +229,9 @@ class DecodeWorker:
 
     def _admit(self) -> None:
         """Adopt waiting requests while there is room: their copies start now."""
-        batch = self.batch
-        while self.waiting and batch.num_running + len(self.copying) < self.max_num_seqs:
-            need = self.waiting[0].prompt_len + self.waiting[0].output_len
-            if (batch.num_running or self.copying) and batch.kv_used + need > self.kv_capacity:
-                break
-            batch.kv_used += need
-            req = self.waiting.popleft()
+        while (
+            req := self.batch.admit(self.waiting, len(self.copying), self.max_num_seqs, self.kv_capacity)
+        ) is not None:
             self.copies_done = max(self.now, self.copies_done) + self.cost.pull(req.prompt_len)
             self.copying.append((self.copies_done, req))
 
@@ -249,13 +258,9 @@ class ColocatedWorker:
         self.waiting.append(req)
 
     def _admit(self) -> None:
-        batch = self.batch
-        while self.waiting and batch.num_running + len(self.prefilling) < self.max_num_seqs:
-            need = self.waiting[0].prompt_len + self.waiting[0].output_len
-            if (batch.num_running or self.prefilling) and batch.kv_used + need > self.kv_capacity:
-                break
-            batch.kv_used += need
-            req = self.waiting.popleft()
+        while (
+            req := self.batch.admit(self.waiting, len(self.prefilling), self.max_num_seqs, self.kv_capacity)
+        ) is not None:
             self.prefilling.append([req, req.prompt_len])
 
     def advance_to(self, t: float) -> None:
