@@ -180,8 +180,10 @@ def test_cancellations_at_random_points_free_every_block(cluster: Cluster) -> No
     assert kinds["finished"] < len(all_plans) // 4, kinds
     assert leaked == 0 and max(times) <= FREE_BOUND_S, times
     # NOTE: the router counted each call once: cancelled (before admission or after), or ok for one that
-    # finished before its cancel landed
-    assert sum(counted.values()) == len(all_plans), counted
+    # finished before its cancel landed; an early cancel with no response may have landed before its call left the
+    # client (the router never saw it: 2 of 100 once in a CI run)
+    unseen = sum(p.delay_s is not None and not o.responses for p, o in zip(all_plans, all_outcomes, strict=True))
+    assert len(all_plans) - unseen <= sum(counted.values()) <= len(all_plans), (counted, unseen)
     assert set(counted) <= {"cancelled", "cancelled_before_admission", "ok"}, counted
     assert counted.get("ok", 0) <= kinds["finished"], (counted, kinds)
     # NOTE: a call cancelled after a response was in a worker, which counts one abort, at most once per request;
