@@ -33,11 +33,13 @@ import itertools
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -348,18 +350,33 @@ def role_steps(engine: Engine, grid: Grid, roles: tuple[str, ...] = ROLES) -> di
 
 
 def load(engine: Engine, role: str, grid: Grid, running: Path) -> None:
-    """Run role's work until killed (another process measures beside it): full-budget prefills one after another,
-    or grid.mps_decode's decode step over and over (its CUDA graph replayed; on CPU the batch decoding, prefilled
-    again when it finishes); touch `running` once it runs."""
+    """Run role's work until SIGTERM (another process measures beside it): full-budget prefills one after another,
+    or grid.mps_decode's decode step over and over (its CUDA graph replayed, at most two replays queued; on CPU the
+    batch decoding, prefilled again when it finishes); touch `running` once it runs. It stops between steps and
+    leaves the GPU idle, so the next MPS client finds the server free."""
     die_with_leader()  # NOTE: never outlive measure_mps, whatever ends it
-    if role == "prefill":
-        one = SamplingParams(temperature=0.0, max_tokens=1)
-        for k in itertools.count():
-            engine.add_request(f"load-{k}", prompt(engine, grid.budget, k), one)
-            while not engine.step():
-                pass
-            engine.flush_commits()
-            running.touch()
+    stop: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))
+    steps = prefill_load(engine, grid) if role == "prefill" else decode_load(engine, grid)
+    for _ in itertools.takewhile(lambda _: not stop, steps):
+        running.touch()
+    sync(engine.runner.device)
+
+
+def prefill_load(engine: Engine, grid: Grid) -> Iterator[None]:
+    """Full-budget prefills of one token each, one after another: yields after each."""
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    for k in itertools.count():
+        engine.add_request(f"load-{k}", prompt(engine, grid.budget, k), one)
+        while not engine.step():
+            pass
+        engine.flush_commits()
+        yield
+
+
+def decode_load(engine: Engine, grid: Grid) -> Iterator[None]:
+    """grid.mps_decode's batch decoding: yields after each step once the whole batch runs (then its CUDA graph
+    replayed, waiting for the replay before last, so at most two are queued when it stops)."""
     batch, context = grid.mps_decode
     budget = engine.config.scheduler.max_num_batched_tokens
     params = SamplingParams(temperature=0.0, max_tokens=output_budget(batch, context, 0, budget), ignore_eos=True)
@@ -370,10 +387,20 @@ def load(engine: Engine, role: str, grid: Grid, running: Path) -> None:
         while engine.has_unfinished():
             engine.step()
             if len(engine.scheduler.running) == batch and not engine.scheduler.waiting:
-                running.touch()
-                while graphs is not None and batch <= graphs.max_size:
-                    graphs.replay(batch)
+                yield
+                if graphs is not None and batch <= graphs.max_size:
+                    yield from replays(graphs, batch)
         engine.flush_commits()
+
+
+def replays(graphs: Any, batch: int) -> Iterator[None]:
+    """The batch's captured step replayed forever, yielding after each; the replay before last is waited for."""
+    done = [torch.cuda.Event(), torch.cuda.Event()]
+    for k in itertools.count():
+        graphs.replay(batch)
+        done[k % 2].record()
+        done[(k + 1) % 2].synchronize()  # NOTE: unrecorded at k = 0: returns at once
+        yield
 
 
 def mps_num_blocks(grid: Grid, block_size: int) -> int:
@@ -430,12 +457,29 @@ class MpsChildren:
         return os.environ | client | {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)}  # NOTE: GPUs by UUID
 
     def measure(self, share: int, roles: tuple[str, ...], beside: int | None = None) -> dict[str, float]:
-        """roles' step times at `share`; with beside, while the other role's load runs at that share."""
+        """roles' step times at `share`; with beside, while the other role's load runs at that share. A load that
+        exits before it ran (an MPS client refused while the server still releases the last one) is started once
+        more."""
         out = self.scratch / f"mps-{share}-{'-'.join(roles)}-{beside}.json"
+        for attempt in (1, 2):
+            try:
+                self.run_pair(share, roles, beside, out)
+                break
+            except LoadFailed as exc:
+                if exc.ran or attempt == 2:
+                    raise
+                print(f"profile_layout.py: {exc}; starting it again", file=sys.stderr, flush=True)
+                time.sleep(5.0)
+        times: dict[str, float] = json.loads(out.read_text())
+        print(f"MPS share {share}%{f' beside {beside}%' if beside else ''}: {times}", flush=True)
+        return times
+
+    def run_pair(self, share: int, roles: tuple[str, ...], beside: int | None, out: Path) -> None:
+        """The measuring child (and with beside, the load beside it) until the measurement is written."""
         flags = ["--mps-child", str(out), "--mps-roles", ",".join(roles)]
-        loader = None
+        loader, running = None, self.scratch / f"running-{share}-{roles[0]}"
         if beside is not None:
-            running = self.scratch / f"running-{share}-{roles[0]}"
+            running.unlink(missing_ok=True)
             other = next(r for r in ROLES if r not in roles)
             loader = subprocess.Popen(
                 self.argv("--mps-load", other, "--mps-running", str(running)), env=self.env(beside)
@@ -446,17 +490,33 @@ class MpsChildren:
             while measuring.poll() is None and (loader is None or loader.poll() is None):
                 time.sleep(0.1)
             if loader is not None and loader.poll() is not None:  # NOTE: a measurement without its load is void
-                raise RuntimeError(f"the {other} load beside the measurement exited ({loader.returncode})")
+                failed = f"the {other} load beside the measurement exited ({loader.returncode})"
+                raise LoadFailed(failed, running.exists())
             if measuring.returncode:
                 raise subprocess.CalledProcessError(measuring.returncode, measuring.args)
         finally:
-            for proc in (measuring, loader):
-                if proc is not None and proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        times: dict[str, float] = json.loads(out.read_text())
-        print(f"MPS share {share}%{f' beside {beside}%' if beside else ''}: {times}", flush=True)
-        return times
+            stop(measuring)
+            if loader is not None:
+                stop(loader)
+
+
+class LoadFailed(RuntimeError):
+    """The load beside a measurement exited; `ran`: after it had started running."""
+
+    def __init__(self, message: str, ran: bool) -> None:
+        super().__init__(message)
+        self.ran = ran
+
+
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> None:
+    """SIGTERM (a load stops between steps and drains its queue), SIGKILL past timeout_s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def rank_main(rank: int, size: int, folder: str, device: str, grid: Grid, num_blocks: int | None, out: str) -> None:

@@ -42,3 +42,33 @@ def test_decode_grid_measures_the_largest_batch_the_pool_holds(profile_layout: A
         (4, 128, True),
     ]
     assert engine.pool.num_free_blocks == engine.pool.num_blocks - 1
+
+
+def test_a_load_refused_before_it_ran_is_started_once_more_and_one_that_ran_is_not(
+    profile_layout: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def refused_then(ran: bool, fails: int) -> Any:
+        def run_pair(self: Any, share: int, roles: tuple[str, ...], beside: int | None, out: Path) -> None:
+            calls.append(share)
+            if len(calls) <= fails:
+                raise profile_layout.LoadFailed("the decode load beside the measurement exited (1)", ran)
+            out.write_text('{"prefill": 2.5}')
+
+        return run_pair
+
+    monkeypatch.setattr(profile_layout.time, "sleep", lambda s: None)
+    children = profile_layout.MpsChildren(None, None, tmp_path, 64)
+    monkeypatch.setattr(profile_layout.MpsChildren, "run_pair", refused_then(ran=False, fails=1))
+    assert children.measure(50, ("prefill",), beside=50) == {"prefill": 2.5} and calls == [50, 50]
+    calls.clear()
+    monkeypatch.setattr(profile_layout.MpsChildren, "run_pair", refused_then(ran=False, fails=2))
+    with pytest.raises(profile_layout.LoadFailed):
+        children.measure(30, ("prefill",), beside=70)
+    assert calls == [30, 30]
+    calls.clear()
+    monkeypatch.setattr(profile_layout.MpsChildren, "run_pair", refused_then(ran=True, fails=1))
+    with pytest.raises(profile_layout.LoadFailed):  # NOTE: a load that died while running voids the measurement
+        children.measure(70, ("prefill",), beside=30)
+    assert calls == [70]
