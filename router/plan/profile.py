@@ -115,6 +115,16 @@ class Profile:
         extra = [self._chunk_extra(c, prefix) for c in sizes]
         return interpolate([0, *sizes], [0.0, *extra], tokens) / self.tp_size
 
+    def chunk_pass_extra(self, tokens: float) -> float:
+        """ms a colocated pass of `tokens` tokens carrying a prompt chunk costs beyond prefill_time(tokens): the chunk
+        points at prefix 0 (passes of an engine whose step budget is the chunk size, as a colocated worker's) less
+        prefill_time at each size, interpolated in tokens (>= 0). 0 without chunk points, and at a TP size other
+        than 1 (the chunk points are TP 1's, prefill_time this size's)."""
+        if not self.chunk_points or self.tp_size != 1:
+            return 0.0
+        alone = sorted((c, ms - self.prefill_time(c)) for c, p, ms in self.chunk_points if p == 0)
+        return interpolate([c for c, _ in alone], [extra for _, extra in alone], tokens)
+
     def _chunk_extra(self, tokens: int, prefix: int) -> float:
         points = sorted((p, ms) for c, p, ms in self.chunk_points if c == tokens)
         base = points[0][1]

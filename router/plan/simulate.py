@@ -16,7 +16,9 @@ handoff's are the top level's, whatever the TP sizes on either side.
 - Colocated worker: each step runs the decodes plus up to `chunk - decodes` prompt tokens (chunked prefill,
   decodes first as pdserve's scheduler does); a mixed step lasts the decode step plus the chunk's marginal
   prefill cost, decode_time(B, ctx) + prefill_time(c + B) - prefill_time(B) (one forward pass reads the weights
-  once for both), plus the chunk's prefix cost.
+  once for both), plus the chunk's prefix cost, plus what a pass carrying a chunk costs beyond a whole prompt's
+  pass of as many tokens (profile.py chunk_pass_extra: the chunk points at prefix 0 were measured on an engine of
+  the colocated worker's step budget; prefill_time on the prefill worker's).
 Routing: prefill to the least queued tokens x slowdown, decode and colocated to the fewest requests x slowdown.
 """
 
@@ -76,6 +78,7 @@ class StepCost:
         self._decode: dict[tuple[int, int], float] = {}
         self._prefill: dict[int, float] = {}
         self._prefix: dict[tuple[int, int], float] = {}
+        self._chunk_pass: dict[int, float] = {}
         self._by_tp: dict[int, StepCost] = {profile.tp_size: self}
 
     def at_tp(self, tp_size: int) -> StepCost:
@@ -96,6 +99,12 @@ class StepCost:
             self._prefix[key] = self.profile.prefix_cost(tokens, key[1] * CONTEXT_BUCKET) / 1e3
         return self._prefix[key]
 
+    def chunk_pass(self, tokens: int) -> float:
+        """What a colocated pass of `tokens` tokens costs beyond prefill(tokens) for carrying a chunk (s)."""
+        if tokens not in self._chunk_pass:
+            self._chunk_pass[tokens] = self.profile.chunk_pass_extra(tokens) / 1e3
+        return self._chunk_pass[tokens]
+
     def pull(self, prompt_len: int) -> float:
         """The decode GPU's copy of a handed-off prompt's KV (s): the handoff's per-token part."""
         return self.profile.handoff_ms_per_token * prompt_len / 1e3
@@ -110,10 +119,11 @@ class StepCost:
         """A colocated step: prefill_tokens of prompts beside `batch` decodes (module docstring)."""
         if prefill_tokens == 0:
             return self.decode(batch, context)
+        extra = self.chunk_pass(prefill_tokens + batch) + prefix_cost
         if batch == 0:
-            return self.prefill(prefill_tokens) + prefix_cost
+            return self.prefill(prefill_tokens) + extra
         chunk = max(0.0, self.prefill(prefill_tokens + batch) - self.prefill(batch))
-        return self.decode(batch, context) + chunk + prefix_cost
+        return self.decode(batch, context) + chunk + extra
 
 
 class PrefillWorker:

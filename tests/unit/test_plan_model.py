@@ -99,6 +99,22 @@ def test_a_colocated_prompt_pays_each_chunks_prefix() -> None:
     assert bare.first_token == pytest.approx(2 * chunk / 1e3)  # whole prompts: a linear prefill has no prefix cost
 
 
+def test_a_colocated_pass_carrying_a_chunk_costs_the_chunk_points_level() -> None:
+    """A chunk pass measured 3 ms over a whole 512-token prompt (10.12 ms) and level with one of 2048: every
+    colocated pass carrying prompt tokens pays that, by its tokens; the prefill worker's passes do not."""
+    slow = [{"tokens": 512, "prefix": 0, "ms": 13.12}, {"tokens": 2048, "prefix": 0, "ms": 5.0 + 0.01 * 2048}]
+    profile = Profile.from_json(DECODE_BOUND | {"chunks": {"points": slow}, "tp": {"2": DECODE_BOUND}})
+    assert [profile.chunk_pass_extra(n) for n in (512, 1280, 2048, 4096)] == pytest.approx([3.0, 1.5, 0.0, 0.0])
+    assert profile.chunk_pass_extra(256) == pytest.approx(3.5) and profile.at_tp(2).chunk_pass_extra(512) == 0.0
+    cost = StepCost(profile)
+    alone = simulate(colocated(1, 512), cost, [SimRequest(0.0, 512, 1)], SimConfig())[0]
+    assert alone.first_token == pytest.approx(13.12 / 1e3)
+    beside = cost.mixed(500, 12, 1000.0, 0.0) * 1e3  # 12 decodes fill the pass to 512 tokens
+    assert beside == pytest.approx(10 + 0.5 * 12 + 0.01 * 500 + 3.0)
+    handed = simulate(disaggregated(1, 1, 2, (50, 50)), cost, [SimRequest(0.0, 512, 1)], SimConfig())[0]
+    assert handed.first_token == pytest.approx(10.12 / 1e3)
+
+
 def test_layouts_of_two_gpus_and_their_cluster_flags() -> None:
     names = [layout.name for layout in layouts_for(2)]
     assert names == ["colocated-c512", "colocated-c2048", "1P:1D", "1P:2D-shared", "2P:1D-shared"]
