@@ -4,11 +4,15 @@ backends for the dense prefill shape beside the Triton prefill kernel.
     python scripts/tune_decode_attention.py [--out bench/out/tune_decode.json]
 
 Decode shapes: the GPT-2-124M bench (128 sequences, 12 x 64 MHA) at the contexts it sees, Llama-1B / 8B GQA shapes
-at long contexts, and one Llama-8B sequence at TP 1 and at TP 2 (each rank's 16 heads, 4 KV heads), whose block
-table is as wide as the graphed decode step's (8192 tokens: the default split count comes from that width).
+at long contexts, one Llama-8B sequence at TP 1 and at TP 2 (each rank's 16 heads, 4 KV heads), and Llama-8B batches
+of 16 to 64 sequences of mixed lengths (1 to 4096 tokens, as a serving batch: with one split a sequence's program
+reads its whole context, so the longest sets the time), the last three kinds with block tables as wide as the graphed
+decode step's (8192 tokens: the default split count comes from that width).
 Prints each config's median microseconds and the default's. --shapes picks some; --no-prefill skips the prefill.
 
     python scripts/tune_decode_attention.py --shapes llama8b-tp1-b1-ctx1024 llama8b-tp2-b1-ctx1024 --no-prefill
+    python scripts/tune_decode_attention.py --shapes llama8b-b16-mixed2k llama8b-b17-mixed2k llama8b-b24-mixed2k \
+        llama8b-b32-mixed2k llama8b-b64-mixed2k --no-prefill
 """
 
 from __future__ import annotations
@@ -34,14 +38,20 @@ from pdserve.kernels.prefill_attention import paged_prefill_attention
 from pdserve.kernels.triton_utils import device_num_sms
 
 BLOCK_SIZE = 16
-# name: (batch, heads, kv_heads, head_dim, context, block table width in tokens (0: the context's))
+# name: (batch, heads, kv_heads, head_dim, context, block table width in tokens (0: the context's), mixed: the
+# sequences' lengths drawn uniformly from 1 to 2 x context (seeded), as a serving batch's are, else all at context)
 DECODE_SHAPES = {
-    "gpt2-b128-ctx70": (128, 12, 12, 64, 70, 0),
-    "gpt2-b128-ctx130": (128, 12, 12, 64, 130, 0),
-    "llama1b-b64-ctx1000": (64, 32, 8, 64, 1000, 0),
-    "llama8b-b32-ctx4000": (32, 32, 8, 128, 4000, 0),
-    "llama8b-tp1-b1-ctx1024": (1, 32, 8, 128, 1024, 8192),
-    "llama8b-tp2-b1-ctx1024": (1, 16, 4, 128, 1024, 8192),
+    "gpt2-b128-ctx70": (128, 12, 12, 64, 70, 0, False),
+    "gpt2-b128-ctx130": (128, 12, 12, 64, 130, 0, False),
+    "llama1b-b64-ctx1000": (64, 32, 8, 64, 1000, 0, False),
+    "llama8b-b32-ctx4000": (32, 32, 8, 128, 4000, 0, False),
+    "llama8b-tp1-b1-ctx1024": (1, 32, 8, 128, 1024, 8192, False),
+    "llama8b-tp2-b1-ctx1024": (1, 16, 4, 128, 1024, 8192, False),
+    "llama8b-b16-mixed2k": (16, 32, 8, 128, 2048, 8192, True),
+    "llama8b-b17-mixed2k": (17, 32, 8, 128, 2048, 8192, True),
+    "llama8b-b24-mixed2k": (24, 32, 8, 128, 2048, 8192, True),
+    "llama8b-b32-mixed2k": (32, 32, 8, 128, 2048, 8192, True),
+    "llama8b-b64-mixed2k": (64, 32, 8, 128, 2048, 8192, True),
 }
 SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -69,24 +79,27 @@ def median_us(fn: Callable[[], object], repeats: int, inner: int = 10) -> float:
 
 
 def decode_inputs(
-    batch: int, heads: int, kv_heads: int, head_dim: int, context: int, width: int
+    batch: int, heads: int, kv_heads: int, head_dim: int, context: int, width: int, mixed: bool
 ) -> tuple[torch.Tensor, ...]:
-    """q, the KV pool, block tables of max(width, context) tokens a row (the tail blocks past the context unread),
-    sequence lengths."""
+    """q, the KV pool, block tables of max(width, longest) tokens a row (the tail blocks past a length unread),
+    sequence lengths (mixed: uniform in 1 .. 2 x context)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    per_seq = -(-max(width, context) // BLOCK_SIZE)
+    longest = 2 * context if mixed else context
+    per_seq = -(-max(width, longest) // BLOCK_SIZE)
     num_blocks = batch * per_seq + 1
     q = torch.randn((batch, heads, head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn((2, num_blocks, BLOCK_SIZE, kv_heads, head_dim), generator=gen, device="cuda", dtype=q.dtype)
     tables = (torch.randperm(num_blocks - 1, generator=gen, device="cuda") + 1).to(torch.int32)
     tables = tables.view(batch, per_seq)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    if mixed:
+        seq_lens = torch.randint(1, longest + 1, (batch,), generator=gen, device="cuda", dtype=torch.int32)
     return q, kv, tables, seq_lens
 
 
 def sweep_shape(name: str, shape: tuple[int, ...], repeats: int) -> dict:
-    batch, heads, kv_heads, head_dim, context, width = shape
-    q, kv, tables, seq_lens = decode_inputs(batch, heads, kv_heads, head_dim, context, width)
+    batch, heads, kv_heads, head_dim, context, width, mixed = shape
+    q, kv, tables, seq_lens = decode_inputs(batch, heads, kv_heads, head_dim, context, width, mixed)
     ws = DecodeWorkspace.allocate(batch, heads, head_dim, max(SPLITS), q.device)
     out = torch.empty_like(q)
     attend = functools.partial(paged_decode_attention, q, kv, tables, seq_lens, head_dim**-0.5, out, workspace=ws)
@@ -103,7 +116,7 @@ def sweep_shape(name: str, shape: tuple[int, ...], repeats: int) -> dict:
     default_splits = choose_num_splits(batch, kv_heads, tables.shape[1] * BLOCK_SIZE, device_num_sms(q.device))
     default_us = median_us(attend, repeats)
     rows.sort(key=lambda r: r["us"])
-    kv_bytes = 2 * batch * context * kv_heads * head_dim * 2
+    kv_bytes = 2 * int(seq_lens.sum()) * kv_heads * head_dim * 2
     print(f"{name}: default {default} splits {default_splits}: {default_us:.1f} us; best {rows[:3]}")
     return {
         "default": {"config": default._asdict(), "splits": default_splits, "us": default_us},
