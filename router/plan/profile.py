@@ -118,12 +118,13 @@ class Profile:
     def chunk_pass_extra(self, tokens: float) -> float:
         """ms a colocated pass of `tokens` tokens carrying a prompt chunk costs beyond prefill_time(tokens): the chunk
         points at prefix 0 (passes of an engine whose step budget is the chunk size, as a colocated worker's) less
-        prefill_time at each size, interpolated in tokens (>= 0). 0 without chunk points, and at a TP size other
-        than 1 (the chunk points are TP 1's, prefill_time this size's)."""
+        prefill_time at each size (>= 0), interpolated in tokens and held at the measured ends. 0 without chunk
+        points, and at a TP size other than 1 (the chunk points are TP 1's, prefill_time this size's)."""
         if not self.chunk_points or self.tp_size != 1:
             return 0.0
-        alone = sorted((c, ms - self.prefill_time(c)) for c, p, ms in self.chunk_points if p == 0)
-        return interpolate([c for c, _ in alone], [extra for _, extra in alone], tokens)
+        alone = sorted((c, max(0.0, ms - self.prefill_time(c))) for c, p, ms in self.chunk_points if p == 0)
+        sizes = [c for c, _ in alone]
+        return interpolate(sizes, [extra for _, extra in alone], min(max(tokens, sizes[0]), sizes[-1]))
 
     def _chunk_extra(self, tokens: int, prefix: int) -> float:
         points = sorted((p, ms) for c, p, ms in self.chunk_points if c == tokens)

@@ -105,7 +105,11 @@ def test_a_colocated_pass_carrying_a_chunk_costs_the_chunk_points_level() -> Non
     slow = [{"tokens": 512, "prefix": 0, "ms": 13.12}, {"tokens": 2048, "prefix": 0, "ms": 5.0 + 0.01 * 2048}]
     profile = Profile.from_json(DECODE_BOUND | {"chunks": {"points": slow}, "tp": {"2": DECODE_BOUND}})
     assert [profile.chunk_pass_extra(n) for n in (512, 1280, 2048, 4096)] == pytest.approx([3.0, 1.5, 0.0, 0.0])
-    assert profile.chunk_pass_extra(256) == pytest.approx(3.5) and profile.at_tp(2).chunk_pass_extra(512) == 0.0
+    assert profile.chunk_pass_extra(256) == pytest.approx(3.0)  # NOTE: held below the smallest size, not extended
+    assert profile.at_tp(2).chunk_pass_extra(512) == 0.0
+    below = [{"tokens": 512, "prefix": 0, "ms": 13.12}, {"tokens": 2048, "prefix": 0, "ms": 5.0 + 0.01 * 2048 - 0.6}]
+    dipped = Profile.from_json(DECODE_BOUND | {"chunks": {"points": below}})
+    assert dipped.chunk_pass_extra(2048) == 0.0 and dipped.chunk_pass_extra(1280) == pytest.approx(1.5)
     cost = StepCost(profile)
     alone = simulate(colocated(1, 512), cost, [SimRequest(0.0, 512, 1)], SimConfig())[0]
     assert alone.first_token == pytest.approx(13.12 / 1e3)
