@@ -342,9 +342,32 @@ def paged_decode_attention(
         return out
     split = num_splits > 1
     part_out, part_lse = _split_buffers(q, out, num_splits, workspace) if split else (out, out)  # unused unsplit
-    group = num_heads // num_kv_heads
-    cfg = cfg or choose_decode_config(head_dim, group)
+    cfg = cfg or choose_decode_config(head_dim, num_heads // num_kv_heads)
     assert cfg.tile_n >= 16 and cfg.tile_n & (cfg.tile_n - 1) == 0, f"tile_n must be a power of two >= 16: {cfg}"
+    _launch_stage1(q, kv_cache, block_tables, seq_lens, scale, out, part_out, part_lse, num_splits, cfg, rope, pdl)
+    if split:
+        _merge_splits(part_out, part_lse, out, num_splits, pdl)
+    return out
+
+
+def _launch_stage1(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    num_splits: int,
+    cfg: DecodeTileConfig,
+    rope: RopeTables | None,
+    pdl: bool,
+) -> None:
+    """_decode_stage1 over (sequence, KV head, split): into out, or with splits into part_out / part_lse."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads, max_blocks = kv_cache.shape[2], kv_cache.shape[3], block_tables.shape[1]
+    group, split = num_heads // num_kv_heads, num_splits > 1
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     cos, sin = rope if rope is not None else (q, q)  # unread without rope
     _decode_stage1[(batch, num_kv_heads, num_splits)](
@@ -370,9 +393,6 @@ def paged_decode_attention(
         num_warps=cfg.num_warps,
         launch_pdl=pdl,
     )  # fmt: skip
-    if split:
-        _merge_splits(part_out, part_lse, out, num_splits, pdl)
-    return out
 
 
 def _default_splits(q: torch.Tensor, num_kv_heads: int, max_context: int, workspace: DecodeWorkspace | None) -> int:
